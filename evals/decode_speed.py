@@ -1,0 +1,105 @@
+"""Batch-1 decode speed: native runtime vs HF ``generate``, same model, dtype, prompt and length."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from evals.roofline import decode_bytes_per_token, measure_bandwidth
+from quant.loading import LoadedModel, load_model
+from quant.model_store import SMOLLM2, is_default_model, weights_hash
+from specdec.generate import Decoder, encode_prompt
+from specdec.sampling import SamplingConfig
+
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@dataclass
+class DecodeSpeed:
+    engine: str
+    new_tokens: int
+    decode_tok_s: float  # median over repeats of (new_tokens - 1) / decode seconds
+    prefill_ms: float
+    roofline_pct: float
+    tokens: list[int]
+
+
+def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int,
+                  bandwidth: float, label: str = "native") -> DecodeSpeed:
+    decoder = Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8)
+    decoder.generate(prompt_ids, 8, ignore_eos=True)  # warm-up, excluded
+    runs = [decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True) for _ in range(repeats)]
+    tok_s = statistics.median(r.decode_tokens_per_s for r in runs)
+    roof = bandwidth / decode_bytes_per_token(lm.model)
+    return DecodeSpeed(label, new_tokens, tok_s, statistics.median(r.prefill_s for r in runs) * 1e3,
+                       100 * tok_s / roof, runs[0].tokens)
+
+
+@torch.inference_mode()
+def hf_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int, bandwidth: float) -> DecodeSpeed:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).eval()
+    ids = torch.tensor([prompt_ids])
+    kwargs = dict(do_sample=False, pad_token_id=lm.tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
+
+    def timed(n: int) -> tuple[float, torch.Tensor]:
+        t = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        return time.perf_counter() - t, out
+
+    timed(8)  # warm-up, excluded
+    prefill = statistics.median(timed(1)[0] for _ in range(repeats))
+    fulls = [timed(new_tokens) for _ in range(repeats)]
+    tok_s = statistics.median((new_tokens - 1) / (t - prefill) for t, _ in fulls)
+    roof = bandwidth / _hf_bytes(hf)
+    return DecodeSpeed("hf-generate", new_tokens, tok_s, prefill * 1e3, 100 * tok_s / roof,
+                       fulls[0][1][0, len(prompt_ids):].tolist())
+
+
+def _hf_bytes(hf) -> int:
+    """Same accounting as the native model: all matrices once; embedding only when tied."""
+    embed = hf.get_input_embeddings().weight
+    tied = hf.get_output_embeddings().weight is embed
+    return sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
+               if tied or p is not embed)
+
+
+def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int = 128, repeats: int = 3,
+                   prompt: str = DEFAULT_PROMPT, threads: int | None = None, with_hf: bool = True) -> RunRecord:
+    """Native vs HF decode on one prompt; returns a run record with both speeds and their ratio."""
+    lm = load_model(model, dtype, threads)
+    prompt_ids = encode_prompt(lm.tokenizer, prompt)
+    bandwidth = measure_bandwidth()
+    rows = [native_decode(lm, prompt_ids, new_tokens, repeats, bandwidth)]
+    if with_hf:
+        rows.append(hf_decode(lm, prompt_ids, new_tokens, repeats, bandwidth))
+    results = {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bytes_per_token": decode_bytes_per_token(lm.model),
+        "roofline_tok_s": bandwidth / decode_bytes_per_token(lm.model),
+        "rows": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rows],
+    }
+    if with_hf:
+        results["native_over_hf"] = rows[0].decode_tok_s / rows[1].decode_tok_s
+        results["greedy_tokens_equal"] = rows[0].tokens == rows[1].tokens
+    return RunRecord(
+        name="decode-speed",
+        model=ModelCondition(str(model), weights_hash(lm.path), lm.precision,
+                             note=SMOLLM2.note if is_default_model(lm.path) else ""),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(1, {"fixed": len(prompt_ids)}, {"fixed": new_tokens}, f"one chat prompt: {prompt!r}", True),
+        arrival=ArrivalProcess("batch-1 sequential", 1),
+        engine=EngineCondition("native vs hf-generate", {"dtype": lm.precision, "threads": torch.get_num_threads()},
+                               warmup="one 8-token generation per engine, excluded",
+                               cache_warmth="KV cache reset per request; weights resident in RAM"),
+        metric=MetricCondition(
+            {"decode_tok_s": "median over repeats of (new_tokens-1)/decode seconds, prefill excluded",
+             "roofline_pct": "decode tok/s / (measured read bandwidth / weight bytes per token)"},
+            "greedy, ignore_eos, fixed output length; native and HF tokens compared"),
+        results=results,
+    )

@@ -1,0 +1,99 @@
+"""Load a Llama-family HF checkpoint (safetensors only) into the native runtime."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from quant.errors import UserError
+from quant.model_store import resolve_model
+from specdec.transformer import ModelArgs, Transformer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object
+    path: Path
+    config: dict
+    dtype: torch.dtype
+
+    @property
+    def precision(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UserError(f"unknown dtype {name!r}: use one of fp32, bf16") from None
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def read_config(path: Path) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UserError(f"{path}: architecture {archs} not supported; native runtime runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors first")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Instantiate the native Transformer and load a (dense) HF state dict into it."""
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device="cpu")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise UserError(f"checkpoint does not match the Llama layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.to(dtype).eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int | None = None) -> LoadedModel:
+    """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding."""
+    set_threads(threads)
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    path = resolve_model(name)
+    config = read_config(path)
+    if "quantization_config" in config:
+        from quant.checkpoint import load_quantized  # compressed-tensors checkpoints (quant/)
+
+        model = load_quantized(path, config, torch_dtype)
+    else:
+        model = build_model(config, load_state_dict(path), torch_dtype)
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)

@@ -1,0 +1,111 @@
+"""Prefill + decode with the native runtime's explicit KV cache (batch 1), greedy or sampled."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quant.errors import UserError
+from quant.loading import LoadedModel
+from specdec.sampling import SamplingConfig, next_token
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    prefill_s: float
+    decode_s: float
+    finish_reason: str  # "eos" | "length"
+    stats: dict = field(default_factory=dict)  # proposer statistics when speculative
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens after the first (which prefill produces) per second of decoding."""
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 and len(self.tokens) > 1 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt {len(self.prompt_tokens)} tok, prefill {self.prefill_s * 1e3:.0f} ms, "
+                f"{len(self.tokens)} new tok, decode {self.decode_tokens_per_s:.1f} tok/s ({self.finish_reason})")
+
+
+def eos_token_ids(lm: LoadedModel) -> set[int]:
+    ids = set()
+    gen_cfg = Path(lm.path) / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if lm.tokenizer.eos_token_id is not None:
+        ids.add(lm.tokenizer.eos_token_id)
+    return ids
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``; instruct models (those with a chat template) get it applied."""
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
+    if use_chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+class Decoder:
+    """Owns one model's KV cache and position; ``rollback`` truncates to an earlier position."""
+
+    def __init__(self, lm: LoadedModel, max_len: int = 2048, cache_factory=None):
+        self.lm = lm
+        self.model = lm.model
+        self.max_len = min(max_len, lm.model.args.max_seq_len)
+        self.cache_factory = cache_factory
+        self.pos = 0
+        self.eos_ids = eos_token_ids(lm)
+        self.model.setup_cache(1, self.max_len, cache_factory)
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def rollback(self, pos: int) -> None:
+        """Forget everything at positions >= pos (stale cache entries are overwritten before being read)."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot roll back to {pos}; cache holds {self.pos} positions")
+        self.pos = pos
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int] | torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
+        """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        n = ids.shape[1]
+        if self.pos + n > self.max_len:
+            raise UserError(f"sequence of {self.pos + n} tokens exceeds max length {self.max_len}; raise --max-len")
+        input_pos = torch.arange(self.pos, self.pos + n)
+        logits = self.model(ids, input_pos, n_layers=n_layers)[0]
+        self.pos += n
+        return logits
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+                 ignore_eos: bool = False) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        gen = sampling.generator()
+        self.reset()
+        t0 = time.perf_counter()
+        logits = self.forward(prompt_ids)[-1]
+        token = int(next_token(logits, sampling, gen))
+        t1 = time.perf_counter()
+        out, reason = [token], "length"
+        while len(out) < max_new_tokens:
+            if token in self.eos_ids and not ignore_eos:
+                reason = "eos"
+                break
+            token = int(next_token(self.forward([token])[-1], sampling, gen))
+            out.append(token)
+        else:
+            reason = "eos" if (token in self.eos_ids and not ignore_eos) else "length"
+        t2 = time.perf_counter()
+        text = self.lm.tokenizer.decode(out, skip_special_tokens=True)
+        return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason)

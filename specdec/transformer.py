@@ -1,0 +1,205 @@
+"""A plain-torch Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) with an explicit KV cache.
+
+gpt-fast style: one module, no framework. ``forward(tokens, input_pos)`` runs any number of new
+tokens at explicit positions against the cache, so prefill, decode, multi-token verification and
+rollback (just overwrite from an earlier position) are the same call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_seq_len: int = 2048
+    qkv_bias: bool = False
+    rope_scaling: dict | None = field(default=None)
+
+    head_dim_override: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spellings
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            qkv_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            rope_scaling=rope or None,
+            head_dim_override=cfg.get("head_dim"),
+        )
+
+
+class KVCache(nn.Module):
+    """Dense per-layer K/V storage [batch, kv_heads, max_len, head_dim]; rollback is free (positions overwrite)."""
+
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
+        """Store new K/V at ``input_pos`` and return the first ``length`` positions for attention."""
+        start = int(input_pos[0])
+        self.k[:, :, start : start + k.shape[2]] = k
+        self.v[:, :, start : start + v.shape[2]] = v
+        return self.k[:, :, :length], self.v[:, :, :length]
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, input_pos, mask, length):
+        bsz, seqlen, _ = x.shape
+        q = self.q_proj(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v, length)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, input_pos, mask, length):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, length)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Parameter names mirror HF's ``model.*`` / ``lm_head`` so HF state dicts load directly."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_len = 0
+        self.batch = 0
+        self.exit_layer: int | None = None  # layer-skip self-drafting: run only the first N layers
+
+    def setup_cache(self, batch: int, max_len: int, cache_factory=None) -> None:
+        """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``
+        lets quant/ plug in quantized caches."""
+        factory = cache_factory or KVCache
+        dtype = self.embed_tokens.weight.dtype
+        for layer in self.layers:
+            layer.self_attn.kv_cache = factory(batch, max_len, self.args.n_kv_heads, self.args.head_dim, dtype)
+        self.max_len, self.batch = max_len, batch
+        cos, sin = rope_tables(self.args, max_len)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
+        """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending)."""
+        if input_pos[-1] >= self.max_len:
+            raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
+        length = int(input_pos[-1]) + 1
+        seqlen = tokens.shape[1]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        mask = None
+        if seqlen > 1:  # causal within the new tokens, full visibility of the cached prefix
+            key_pos = torch.arange(length, device=tokens.device)
+            mask = key_pos[None, :] <= input_pos[:, None]
+        x = self.embed_tokens(tokens)
+        depth = n_layers or self.exit_layer or len(self.layers)
+        for layer in self.layers[:depth]:
+            x = layer(x, cos, sin, input_pos, mask, length)
+        return self.lm_head(self.norm(x))
+
+
+def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, head_dim] in HF's rotate-half layout, with llama3 rope scaling if configured."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    t = torch.arange(max_len, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high, orig = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (orig / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= orig / low) & (wavelen >= orig / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

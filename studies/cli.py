@@ -1,0 +1,20 @@
+"""``quantspec`` console entry point: a thin layer over the Python API; user mistakes exit 2 on one line."""
+from __future__ import annotations
+
+import sys
+
+from quant.errors import UserError
+from studies.app import app
+from studies import cmd_model, cmd_generate  # noqa: F401  (register commands)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=True)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random Llama (unit tests) and the real default model (integration tests)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised HF Llama (+ a character-level tokenizer) as a safetensors dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_CONFIG, **overrides})
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    _save_char_tokenizer(path, config.vocab_size)
+    return path
+
+
+def _save_char_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(32, 32 + vocab_size - 3):
+        vocab[chr(i)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from quant.model_store import fetch_default_model
+
+    return fetch_default_model(log=lambda *_: None)

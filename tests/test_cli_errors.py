@@ -1,0 +1,65 @@
+"""User mistakes: one line naming the fix, exit code 2, no traceback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+QUANTSPEC = [sys.executable, "-m", "studies.cli"]
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([*QUANTSPEC, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=300)
+
+
+def assert_one_line_error(proc, needle):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_missing_model_path(tmp_path):
+    assert_one_line_error(run_cli("generate", "-m", str(tmp_path / "nope"), "-p", "hi"), "not found")
+
+
+def test_dir_without_config(tmp_path):
+    assert_one_line_error(run_cli("generate", "-m", str(tmp_path), "-p", "hi"), "no config.json")
+
+
+def test_unknown_model_name():
+    assert_one_line_error(run_cli("generate", "-m", "not-a-model", "-p", "hi"), "not found")
+
+
+def test_bad_dtype(tiny_llama_dir):
+    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--dtype", "fp7"), "unknown dtype")
+
+
+def test_default_model_not_fetched(tmp_path):
+    proc = run_cli("generate", "-p", "hi", env={"QUANTSPEC_HOME": str(tmp_path)})
+    assert_one_line_error(proc, "quantspec model fetch")
+
+
+def test_hub_id_offline(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    assert_one_line_error(run_cli("generate", "-m", "someorg/somemodel", "-p", "hi", env=env), "offline")
+
+
+def test_bad_temperature(tiny_llama_dir):
+    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--temperature", "-1"), "temperature")
+
+
+def test_missing_data_dir(tmp_path):
+    from evals.data import find_data_dir
+    from quant.errors import UserError
+
+    with pytest.raises(UserError, match="does not exist"):
+        find_data_dir(tmp_path / "absent")
+
+
+def test_generate_on_tiny_model(tiny_llama_dir):
+    proc = run_cli("generate", "-m", str(tiny_llama_dir), "-p", "abc", "-n", "5", "--no-chat")
+    assert proc.returncode == 0, proc.stderr
+    assert "decode" in proc.stdout and "tok/s" in proc.stdout
