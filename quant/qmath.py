@@ -1,0 +1,75 @@
+"""Integer quantization math, compressed-tensors compatible.
+
+``q = clip(round(x / scale) + zero, qmin, qmax)``, ``x̂ = (q - zero) * scale`` with the signed range
+``[-2^(b-1), 2^(b-1)-1]``; symmetric: ``scale = absmax / ((qmax - qmin) / 2)``, zero 0; asymmetric:
+``scale = (max - min) / (qmax - qmin)``, ``zero = round(qmin - min / scale)``; the range always includes 0.
+Scales/zeros have shape [out, n_groups] (per-group), [out, 1] (per-channel) or [1, 1] (per-tensor).
+"""
+from __future__ import annotations
+
+import torch
+
+from quant.errors import UserError
+from quant.scheme import WeightSpec
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def group_view(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """Reshape [out, in] to [out, n_groups, group] so that per-group stats reduce over the last dim."""
+    out_f, in_f = w.shape
+    if spec.granularity == "group":
+        if in_f % spec.group_size:
+            raise UserError(f"group size {spec.group_size} does not divide input width {in_f}")
+        return w.reshape(out_f, in_f // spec.group_size, spec.group_size)
+    if spec.granularity == "channel":
+        return w.reshape(out_f, 1, in_f)
+    return w.reshape(1, 1, -1)
+
+
+def check_finite(w: torch.Tensor, what: str = "weight") -> None:
+    if not torch.isfinite(w).all():
+        raise UserError(f"{what} contains NaN or inf; cannot quantize (check the checkpoint)")
+
+
+def qparams_from_range(min_vals: torch.Tensor, max_vals: torch.Tensor, spec: WeightSpec):
+    """Scale and zero point from per-group min/max (0 always representable; constant groups get eps scale)."""
+    min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals)).float()
+    max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals)).float()
+    bit_range = spec.qmax - spec.qmin
+    if spec.symmetric:
+        scale = torch.maximum(min_vals.abs(), max_vals.abs()) / (bit_range / 2)
+        zero = torch.zeros_like(scale)
+    else:
+        scale = (max_vals - min_vals) / bit_range
+        zero = None
+    scale = torch.where(scale == 0, torch.full_like(scale, EPS), scale)
+    if zero is None:
+        zero = torch.clamp(torch.round(spec.qmin - min_vals / scale), spec.qmin, spec.qmax)
+    return scale, zero
+
+
+def compute_qparams(w: torch.Tensor, spec: WeightSpec, clip_ratio: float | torch.Tensor = 1.0):
+    """Min/max scale and zero for ``w`` [out, in]; ``clip_ratio`` shrinks the range (MSE clipping)."""
+    check_finite(w)
+    g = group_view(w.float(), spec)
+    return qparams_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, spec)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """Integer codes (int8 storage) with the shape of ``w``."""
+    g = group_view(w.float(), spec)
+    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], spec.qmin, spec.qmax)
+    return q.reshape(w.shape).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = group_view(q.float(), spec)
+    return ((g - zero[..., None]) * scale[..., None]).reshape(q.shape).to(dtype)
+
+
+def fake_quantize(w: torch.Tensor, spec: WeightSpec, clip_ratio: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Quantize-dequantize round trip (simulated quantization) in ``w``'s dtype."""
+    scale, zero = compute_qparams(w, spec, clip_ratio)
+    return dequantize(quantize(w, scale, zero, spec), scale, zero, spec, w.dtype)

@@ -1,0 +1,146 @@
+"""Quantization schemes: a registry of named presets plus a compact explicit label that parses back.
+
+Label grammar (every table uses it):  ``w<bits><gran>-<sym|asym>[_a<bits><tok|t>-<dyn|static>][@ignore=a,b][+pad]``
+with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns).
+Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``w3g32-sym@ignore=lm_head``.
+Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``, ...).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from quant.errors import UserError
+
+SUPPORTED_WEIGHT_BITS = (8, 4, 3, 2)
+DEFAULT_IGNORE = ("lm_head", "embed_tokens")
+GRANULARITIES = ("tensor", "channel", "group")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    bits: int
+    symmetric: bool = True
+    granularity: str = "group"  # tensor | channel | group
+    group_size: int | None = 128
+
+    def __post_init__(self):
+        if self.bits not in SUPPORTED_WEIGHT_BITS:
+            raise UserError(f"unsupported weight bits {self.bits}: use one of {SUPPORTED_WEIGHT_BITS}")
+        if self.granularity not in GRANULARITIES:
+            raise UserError(f"unknown granularity {self.granularity!r}: use one of {GRANULARITIES}")
+        if self.granularity == "group" and (not self.group_size or self.group_size < 1):
+            raise UserError(f"per-group quantization needs a positive group size, got {self.group_size}")
+        if self.granularity != "group" and self.group_size is not None:
+            object.__setattr__(self, "group_size", None)
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def label(self) -> str:
+        gran = {"tensor": "t", "channel": "ch", "group": f"g{self.group_size}"}[self.granularity]
+        return f"w{self.bits}{gran}-{'sym' if self.symmetric else 'asym'}"
+
+
+@dataclass(frozen=True)
+class ActSpec:
+    """Input-activation quantization of Linear layers (int8 only; per-token dynamic or per-tensor static)."""
+
+    bits: int = 8
+    granularity: str = "token"  # token | tensor
+    dynamic: bool = True
+    symmetric: bool = True
+
+    def __post_init__(self):
+        if self.bits != 8:
+            raise UserError(f"activation bits {self.bits} not supported: use 8")
+        if self.granularity not in ("token", "tensor"):
+            raise UserError(f"activation granularity {self.granularity!r}: use token or tensor")
+
+    @property
+    def label(self) -> str:
+        gran = {"token": "tok", "tensor": "t"}[self.granularity]
+        return f"a{self.bits}{gran}-{'dyn' if self.dynamic else 'static'}"
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    weights: WeightSpec | None
+    activations: ActSpec | None = None
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    pad: bool = False  # pad input widths a group size does not divide, instead of refusing
+
+    @property
+    def label(self) -> str:
+        if self.weights is None:
+            return "none"
+        parts = [self.weights.label]
+        if self.activations:
+            parts.append(self.activations.label)
+        text = "_".join(parts)
+        if tuple(self.ignore) != DEFAULT_IGNORE:
+            text += "@ignore=" + ",".join(self.ignore)
+        return text + ("+pad" if self.pad else "")
+
+    def __str__(self) -> str:
+        return self.label
+
+
+PRESETS: dict[str, QuantScheme] = {}
+
+
+def register_preset(name: str, scheme: QuantScheme) -> None:
+    PRESETS[name.upper()] = scheme
+
+
+register_preset("W8A16", QuantScheme(WeightSpec(8, True, "channel")))
+register_preset("W4A16", QuantScheme(WeightSpec(4, True, "group", 128)))
+register_preset("W4A16_ASYM", QuantScheme(WeightSpec(4, False, "group", 128)))
+register_preset("W8A8", QuantScheme(WeightSpec(8, True, "channel"), ActSpec(8, "token", True)))
+register_preset("INT8", PRESETS["W8A8"])
+register_preset("W4A8", QuantScheme(WeightSpec(4, True, "group", 128), ActSpec(8, "token", True)))
+
+_LABEL = re.compile(
+    r"^w(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
+    r"(?:_a(?P<abits>\d+)(?P<agran>tok|t)-(?P<adyn>dyn|static))?"
+    r"(?:@ignore=(?P<ignore>[\w.,*-]*))?(?P<pad>\+pad)?$"
+)
+
+
+def parse_scheme(text: str) -> QuantScheme:
+    """A preset name (case-insensitive), ``none``, or a compact label; anything else is a UserError."""
+    if text.lower() == "none":
+        return QuantScheme(None)
+    if text.upper() in PRESETS:
+        return PRESETS[text.upper()]
+    m = _LABEL.match(text.strip().lower())
+    if not m:
+        raise UserError(f"unknown scheme {text!r}: use a preset ({', '.join(PRESETS)}) or a label like "
+                        "w4g32-asym, w8ch-sym_a8tok-dyn")
+    gran = {"t": "tensor", "ch": "channel"}.get(m["gran"], "group")
+    weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(m["group"]) if m["group"] else None)
+    acts = None
+    if m["abits"]:
+        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}[m["agran"]], m["adyn"] == "dyn")
+    ignore = tuple(x for x in m["ignore"].split(",") if x) if m["ignore"] is not None else DEFAULT_IGNORE
+    return QuantScheme(weights, acts, ignore, bool(m["pad"]))
+
+
+def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:
+    return replace(scheme, weights=replace(scheme.weights, granularity="group", group_size=group_size))
+
+
+def check_group_fits(scheme: QuantScheme, name: str, in_features: int) -> None:
+    """Refuse a group size that does not divide a layer's input width (unless padding was asked for)."""
+    w = scheme.weights
+    if w is None or w.granularity != "group" or in_features % w.group_size == 0 or scheme.pad:
+        return
+    fits = [g for g in (16, 32, 64, 128, 256) if in_features % g == 0]
+    raise UserError(f"group size {w.group_size} does not divide {name}'s input width {in_features}; "
+                    f"use one of {fits} or add +pad to the scheme")
