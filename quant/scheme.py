@@ -8,6 +8,7 @@ Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, 
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 from dataclasses import dataclass, field, replace
 
 from quant.errors import UserError
@@ -144,3 +145,16 @@ def check_group_fits(scheme: QuantScheme, name: str, in_features: int) -> None:
     fits = [g for g in (16, 32, 64, 128, 256) if in_features % g == 0]
     raise UserError(f"group size {w.group_size} does not divide {name}'s input width {in_features}; "
                     f"use one of {fits} or add +pad to the scheme")
+
+
+def is_ignored(scheme: QuantScheme, name: str) -> bool:
+    """A module stays dense when an ignore entry equals its name, its last components, or glob-matches it."""
+    return any(name == p or name.endswith("." + p) or fnmatchcase(name, p) for p in scheme.ignore)
+
+
+def padded_width(scheme: QuantScheme, in_features: int) -> int:
+    """The input width codes are stored at: rounded up to the group size for ``+pad`` schemes."""
+    w = scheme.weights
+    if not scheme.pad or w is None or w.granularity != "group":
+        return in_features
+    return -(-in_features // w.group_size) * w.group_size

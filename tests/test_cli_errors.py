@@ -63,3 +63,10 @@ def test_generate_on_tiny_model(tiny_llama_dir):
     proc = run_cli("generate", "-m", str(tiny_llama_dir), "-p", "abc", "-n", "5", "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert "decode" in proc.stdout and "tok/s" in proc.stdout
+
+
+def test_model_info_on_tiny_model(tiny_llama_dir):
+    proc = run_cli("model", "info", str(tiny_llama_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "LlamaForCausalLM" in proc.stdout and "int4 (g32 asym)" in proc.stdout
+    assert "Q4_1" not in proc.stdout  # the caveat belongs to the default model only

@@ -40,3 +40,13 @@ def test_native_greedy_equals_hf_greedy(smol, default_model_dir):
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert ours == ref[0, len(ids):].tolist()
+
+
+def test_model_info_prints_q4_1_caveat(default_model_dir):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "studies.cli", "model", "info", "default"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "134.5 M" in proc.stdout and "Q4_1" in proc.stdout

@@ -1,4 +1,22 @@
-"""The weight-method registry and the data a method receives and returns."""
+"""The weight-method registry and the data a method receives and returns.
+
+Note for quant.quantize (Q1): ``QuantResult.input_scale`` was removed. AWQ folds its per-channel scales into
+the preceding RMSNorm / Linear in ``WeightMethod.transform`` (quant/folding.py), so no layer needs a runtime
+input scale.
+
+Contract of ``quantize_model`` with a method (one pass, statistics from the full-precision model):
+
+1. ``names`` = the Linear layers to quantize (scheme.ignore applied), as ``model.named_modules()`` names;
+2. if ``method.needs``: ``stats = collect_layer_stats(lm, calibration_batches(calib, lm), names,
+   need=method.needs)`` (quant/calibration.py), else ``stats = {}``;
+3. ``info = method.transform(lm, stats, spec)`` once, before any layer is quantized. It may rewrite the
+   full-precision model as long as the model stays mathematically equivalent (AWQ folds scales into norms and
+   preceding Linears) and it keeps ``stats`` describing the rewritten layers' inputs;
+4. for each name: ``method.quantize_weight(module.weight, spec, stats.get(name))`` -> ``QuantResult``
+   (read the weight *after* step 3).
+
+Layers that share an input (q/k/v, gate/up) may share one ``LayerStats`` object.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +25,8 @@ import torch
 
 from quant.errors import UserError
 from quant.scheme import WeightSpec
+
+STAT_KINDS = ("hessian", "abs_mean", "abs_max", "samples")
 
 
 @dataclass
@@ -26,22 +46,43 @@ class LayerStats:
     samples: torch.Tensor | None = None
     n_tokens: int = 0
 
+    def scale_inputs(self, s: torch.Tensor) -> None:
+        """Describe inputs divided channel-wise by ``s`` (what a folded scale does to this layer's input)."""
+        inv = 1.0 / s
+        if self.hessian is not None:
+            inv64 = inv.double()
+            self.hessian = self.hessian * inv64[:, None] * inv64[None, :]
+        if self.abs_mean is not None:
+            self.abs_mean = self.abs_mean * inv
+        if self.abs_max is not None:
+            self.abs_max = self.abs_max * inv
+        if self.samples is not None:
+            self.samples = self.samples * inv
+
 
 @dataclass
 class QuantResult:
-    """Codes [out, in] (int8 storage), scale/zero per ``qmath`` layout, and an optional per-input-channel
-    ``input_scale`` s (the layer then computes (x / s) @ (W·s)ᵀ; folded into the previous op on export)."""
+    """Codes [out, in] (int8 storage), scale/zero per ``qmath`` layout, and method diagnostics."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
-    input_scale: torch.Tensor | None = None
     info: dict = field(default_factory=dict)
 
 
 class WeightMethod:
+    """A weight quantization method; ``needs`` lists the ``LayerStats`` fields it reads (empty: no calibration)."""
+
     name: str = ""
-    needs_calibration: bool = False
+    needs: tuple[str, ...] = ()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return bool(self.needs)
+
+    def transform(self, lm, stats: dict[str, LayerStats], spec: WeightSpec) -> dict:
+        """Model-level rewrite before per-layer quantization (see the module docstring); returns diagnostics."""
+        return {}
 
     def quantize_weight(self, weight: torch.Tensor, spec: WeightSpec, stats: LayerStats | None) -> QuantResult:
         raise NotImplementedError
@@ -60,3 +101,12 @@ def get_method(name: str) -> WeightMethod:
         return METHODS[name]
     except KeyError:
         raise UserError(f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}") from None
+
+
+def require_stats(method: WeightMethod, stats: LayerStats | None) -> LayerStats:
+    """The layer's statistics, or a UserError saying the method needs calibration data."""
+    missing = [k for k in method.needs if stats is None or getattr(stats, k) is None]
+    if missing:
+        raise UserError(f"method {method.name!r} needs calibration statistics ({', '.join(missing)}); "
+                        "pass a calibration source (--calib wikitext2|self|PATH.jsonl)")
+    return stats

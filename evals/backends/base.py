@@ -1,0 +1,210 @@
+"""What every serving backend shares: the configuration it runs, the requests it serves, what it measures."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+from quant.errors import UserError
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """One point of the search space: model + weight/activation scheme + KV format + proposer + K + backend."""
+
+    model: str = "default"
+    scheme: str = "none"  # quant.scheme label or preset (weights + activations)
+    method: str = "rtn"  # weight quantization method (quant.methods registry)
+    kv: str = "none"  # KV-cache format (quant.kvcache spec: none = bf16 cache, fp8, kivi4, ...)
+    spec: str | None = None  # proposer spec (specdec.proposers grammar, e.g. "ngram:min=2,max=4"); None = plain
+    k: int = 4  # draft tokens per verification step
+    backend: str = "native"
+    temperature: float = 0.0
+    max_model_len: int = 1024
+    threads: int | None = None
+    port: int = 0  # vllm serve port for open-loop runs (0 = a free one); not part of the config's identity
+
+    def __post_init__(self):
+        if self.max_model_len < 16:
+            raise UserError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.spec) and self.spec != "none"
+
+    def without_spec(self) -> "ServingConfig":
+        return replace(self, spec=None)
+
+    @property
+    def spec_label(self) -> str:
+        return f"{self.spec} K={self.k}" if self.speculative else "no spec"
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.scheme}/kv={self.kv}/{self.spec_label}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Request:
+    """One prompt to serve: token ids (chat template applied) and the output budget."""
+
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = True
+
+
+@dataclass
+class RequestResult:
+    """What one request saw, timestamps in seconds on the client's ``time.perf_counter`` clock.
+
+    ``scheduled`` is the planned send time (open loop) or None; ``sent`` is when the request really entered
+    the engine's queue; ``chunk_times`` are the arrival times of each streamed chunk of tokens (several tokens
+    per chunk under speculation); empty when the backend does not stream."""
+
+    index: int
+    prompt_tokens: int
+    sent: float
+    scheduled: float | None = None
+    started: float | None = None  # when the engine began serving it (native: known; vLLM: unknown -> None)
+    first_token: float | None = None
+    end: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative proposer counters; deltas over a measured window give α, τ and per-position acceptance."""
+
+    drafts: int = 0  # verification steps that carried a draft
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted,
+                            [a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        return other - SpecCounters(-self.drafts, -self.draft_tokens, -self.accepted,
+                                    [-a for a in self.accepted_per_pos])
+
+
+Progress = Callable[[RequestResult], None]
+
+
+class Backend:
+    """A started engine that can serve several measured runs (the engine is reused between them).
+
+    Subclasses implement ``closed_loop`` and ``open_loop``; both return one ``RequestResult`` per request,
+    never drop a request silently (failures carry ``error``), and raise ``EngineFailure`` when the engine
+    itself died."""
+
+    name = "?"
+    batching = "?"  # how concurrent requests are served, stated in every record
+    cache_warmth = "?"  # KV / prefix cache state of measured requests, stated in every record
+
+    def __init__(self, config: ServingConfig):
+        self.config = config
+
+    def tokenizer(self):
+        raise NotImplementedError
+
+    def engine_config(self) -> dict:
+        """The engine's own settings as passed to it (recorded in RunRecord.engine.config)."""
+        raise NotImplementedError
+
+    def warm_up(self, requests: list[Request]) -> str:
+        """Run ``requests`` outside any measured window; return a description for the record."""
+        self.closed_loop(requests, concurrency=1)
+        return f"{len(requests)} request(s) of {requests[0].max_tokens} tokens each, excluded from measurement"
+
+    def closed_loop(self, requests: list[Request], concurrency: int, progress: Progress | None = None
+                    ) -> list[RequestResult]:
+        raise NotImplementedError
+
+    def open_loop(self, requests: list[Request], offsets: list[float], progress: Progress | None = None
+                  ) -> list[RequestResult]:
+        raise NotImplementedError
+
+    def spec_counters(self) -> SpecCounters | None:
+        """Cumulative proposer counters (None when this engine does not speculate)."""
+        return None
+
+    def peak_rss_bytes(self) -> int:
+        """Peak resident memory of the engine process(es) so far."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the engine and every process it started; safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EngineFailure(Exception):
+    """The engine died or could not serve: a failed measurement, reported with the engine's log tail."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(name: str):
+    def deco(cls: type[Backend]) -> type[Backend]:
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def split_k(spec: str | None) -> tuple[str | None, int | None]:
+    """``ngram:k=4,max=4`` -> (``ngram:max=4``, 4): K may ride in the proposer spec on the command line."""
+    if not spec or spec == "none":
+        return None, None
+    name, _, arg = spec.partition(":")
+    items = [x.strip() for x in arg.split(",") if x.strip()]
+    ks = [x for x in items if x.startswith("k=")]
+    rest = ",".join(x for x in items if not x.startswith("k="))
+    try:
+        k = int(ks[-1][2:]) if ks else None
+    except ValueError:
+        raise UserError(f"--spec {spec!r}: k must be an integer, e.g. ngram:k=4") from None
+    return (f"{name}:{rest}" if rest else name), k
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def check_fits(requests: list[Request], max_model_len: int) -> None:
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+    if longest > max_model_len:
+        raise UserError(f"a request needs {longest} tokens (prompt + output) but max_model_len is {max_model_len}; "
+                        "raise --max-model-len or lower --output-len")

@@ -1,0 +1,130 @@
+"""The native backend: quant/ + specdec/ in this process, batch 1.
+
+Requests are served one after another (no batched decode). Under concurrency C or an open-loop rate the other
+requests wait in a FIFO queue, and that wait is part of their TTFT and end-to-end latency (``queue_s``
+reports it separately), so throughput at C > 1 is the batch-1 throughput and latency grows honestly.
+"""
+from __future__ import annotations
+
+import collections
+import resource
+import time
+
+import torch
+
+from evals.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
+                                 check_fits, now, register_backend)
+from quant.errors import UserError
+from specdec.generate import Decoder
+from specdec.sampling import SamplingConfig
+
+
+@register_backend("native")
+class NativeBackend(Backend):
+    batching = "batch-1: requests served one after another in arrival order; waiting time counts in TTFT/E2E"
+    cache_warmth = "KV cache reset per request (no prefix reuse); weights resident in RAM"
+
+    def __init__(self, config: ServingConfig):
+        super().__init__(config)
+        from quant.loading import load_model
+
+        self.lm = load_model(config.model, "bf16", config.threads)
+        self.quant_report = None
+        self.scheme_info = self._quantize()
+        self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
+        self.decoder = self._decoder()
+        self.counters = SpecCounters() if config.speculative else None
+
+    def _quantize(self) -> str:
+        if self.config.scheme == "none":
+            return "bf16"
+        from quant.quantize import quantize_model
+
+        self.quant_report = quantize_model(self.lm, self.config.scheme, self.config.method, progress=False)
+        return self.quant_report.scheme.label
+
+    def _decoder(self):
+        from quant.kvcache import make_cache_factory
+
+        cache_factory = make_cache_factory(self.config.kv)
+        if not self.config.speculative:
+            return Decoder(self.lm, self.config.max_model_len, cache_factory)
+        if cache_factory is not None:
+            raise UserError(f"native speculative decoding keeps a bf16 KV cache; drop --kv {self.config.kv} or --spec")
+        from specdec.speculative import SpeculativeDecoder
+
+        return SpeculativeDecoder(self.lm, self.config.spec, self.config.k, self.sampling, self.config.max_model_len)
+
+    def _generate(self, request: Request):
+        if self.config.speculative:
+            return self.decoder.generate(request.prompt_ids, request.max_tokens, request.ignore_eos)
+        return self.decoder.generate(request.prompt_ids, request.max_tokens, self.sampling, request.ignore_eos)
+
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    def engine_config(self) -> dict:
+        return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16", "scheme": self.scheme_info,
+                "method": self.config.method if self.quant_report else None,
+                "kernels": self.quant_report.kernels if self.quant_report else None, "kv": self.config.kv,
+                "spec": self.config.spec_label, "max_len": self.config.max_model_len,
+                "threads": torch.get_num_threads(), "batching": self.batching}
+
+    def _serve(self, request: Request, sent: float, scheduled: float | None) -> RequestResult:
+        started = now()
+        result = RequestResult(request.index, len(request.prompt_ids), sent, scheduled, started)
+        gen = self._generate(request)
+        result.end = now()
+        result.first_token = started + gen.prefill_s
+        result.token_ids = list(gen.tokens)
+        result.finish_reason = gen.finish_reason
+        if self.counters is not None:
+            self.counters = self.counters + counters_from_stats(gen.stats)
+        return result
+
+    def closed_loop(self, requests: list[Request], concurrency: int, progress: Progress | None = None
+                    ) -> list[RequestResult]:
+        """C clients against a batch-1 server: the first C requests are sent at once, each completion sends
+        that client's next request; the server takes them in send order."""
+        check_fits(requests, self.config.max_model_len)
+        todo = collections.deque(requests)
+        t0 = now()
+        queue = collections.deque((todo.popleft(), t0) for _ in range(min(concurrency, len(todo))))
+        results = []
+        while queue:
+            request, sent = queue.popleft()
+            results.append(self._serve(request, sent, None))
+            if progress:
+                progress(results[-1])
+            if todo:
+                queue.append((todo.popleft(), results[-1].end))
+        return sorted(results, key=lambda r: r.index)
+
+    def open_loop(self, requests: list[Request], offsets: list[float], progress: Progress | None = None
+                  ) -> list[RequestResult]:
+        """Requests arrive at their planned times; one that arrives while another is served waits its turn."""
+        check_fits(requests, self.config.max_model_len)
+        t0 = now()
+        results = []
+        for request, offset in zip(requests, offsets):
+            arrival = t0 + offset
+            if arrival > now():
+                time.sleep(arrival - now())
+            results.append(self._serve(request, arrival, arrival))
+            if progress:
+                progress(results[-1])
+        return results
+
+    def spec_counters(self) -> SpecCounters | None:
+        return self.counters
+
+    def peak_rss_bytes(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def counters_from_stats(stats: dict) -> SpecCounters:
+    """Map specdec's per-generation acceptance statistics onto the shared counter fields."""
+    if not stats:
+        raise UserError("the speculative decoder returned no acceptance statistics")
+    return SpecCounters(int(stats["drafts"]), int(stats["draft_tokens"]), int(stats["accepted"]),
+                        [int(x) for x in stats.get("accepted_per_pos", [])])

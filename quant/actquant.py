@@ -1,0 +1,201 @@
+"""Activation quantization: range observers (registry by name) and int8 activation quantizers.
+
+Observers watch a stream of rows ``x [n, k]`` and return a clipping range (an absolute max) per column ``[k]``
+(``k = 1`` for per-tensor scales): ``minmax`` (running max |x|), ``percentile`` (a high quantile of |x|),
+``mse`` (the clipped range minimising the quantization error on an int grid). Static per-tensor input
+scales of Linear layers and static KV-cache scales (quant/kvcache.py) both come from them.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from quant.errors import UserError
+from quant.scheme import ActSpec
+
+INT8_MAX = 127
+MAX_SAMPLES = 1 << 20  # values kept by sampling observers (random subsample beyond)
+
+
+def check_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """Refuse scales that are zero, negative or non-finite (they would write a broken checkpoint)."""
+    if scale.numel() == 0 or not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise UserError(f"{what}: calibration produced a zero or non-finite scale; calibrate on real text "
+                        "(more samples) or use dynamic scales")
+    return scale
+
+
+class Observer:
+    """Tracks ``x [n, k]`` rows; ``range()`` is the clipping range per column."""
+
+    name = ""
+
+    def __init__(self):
+        self.n_seen = 0
+
+    def observe(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        if not torch.isfinite(x).all():
+            raise UserError(f"{self.name} observer saw NaN/inf activations; the model or input is broken")
+        self.n_seen += x.shape[0]
+        self._observe(x.abs())
+
+    def range(self) -> torch.Tensor:
+        if self.n_seen == 0:
+            raise UserError(f"{self.name} observer saw zero calibration samples; give calibration text "
+                            "(raise the number of calibration samples)")
+        return self._range()
+
+    def _observe(self, absx: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _range(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SamplingObserver(Observer):
+    """Keeps a random subsample of at most ``MAX_SAMPLES`` values (rows of |x|)."""
+
+    def __init__(self):
+        super().__init__()
+        self.samples: list[torch.Tensor] = []
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _observe(self, absx):
+        rows = max(1, MAX_SAMPLES // absx.shape[1])
+        if absx.shape[0] > rows:
+            absx = absx[torch.randperm(absx.shape[0], generator=self.gen)[:rows]]
+        self.samples.append(absx)
+        kept = torch.cat(self.samples)
+        if kept.shape[0] > rows:
+            kept = kept[torch.randperm(kept.shape[0], generator=self.gen)[:rows]]
+        self.samples = [kept]
+
+
+OBSERVERS: dict[str, type[Observer]] = {}
+
+
+def register_observer(cls: type[Observer]) -> type[Observer]:
+    OBSERVERS[cls.name] = cls
+    return cls
+
+
+def make_observer(name: str, **kwargs) -> Observer:
+    try:
+        return OBSERVERS[name](**kwargs)
+    except KeyError:
+        raise UserError(f"unknown observer {name!r}: use one of {', '.join(sorted(OBSERVERS))}") from None
+
+
+@register_observer
+class MinMaxObserver(Observer):
+    name = "minmax"
+
+    def __init__(self):
+        super().__init__()
+        self.absmax: torch.Tensor | None = None
+
+    def _observe(self, absx):
+        m = absx.amax(0)
+        self.absmax = m if self.absmax is None else torch.maximum(self.absmax, m)
+
+    def _range(self):
+        return self.absmax
+
+
+@register_observer
+class PercentileObserver(SamplingObserver):
+    name = "percentile"
+
+    def __init__(self, percentile: float = 99.99):
+        super().__init__()
+        if not 0 < percentile <= 100:
+            raise UserError(f"percentile must be in (0, 100], got {percentile}")
+        self.q = percentile / 100
+
+    def _range(self):
+        return torch.quantile(self.samples[0].double(), self.q, dim=0).float()
+
+
+@register_observer
+class MSEObserver(SamplingObserver):
+    """Searches ``ratio * absmax`` over a grid of ratios for the smallest symmetric int<bits> error."""
+
+    name = "mse"
+
+    def __init__(self, bits: int = 8, grid: int = 50, min_ratio: float = 0.3):
+        super().__init__()
+        self.qmax = 2 ** (bits - 1) - 1
+        self.ratios = torch.linspace(1.0, min_ratio, grid)
+
+    def _range(self):
+        x = self.samples[0]
+        absmax = x.amax(0)
+        best, best_err = absmax.clone(), torch.full_like(absmax, float("inf"))
+        for r in self.ratios:
+            rng = (absmax * r).clamp_min(torch.finfo(torch.float32).tiny)
+            scale = rng / self.qmax
+            err = ((torch.clamp(torch.round(x / scale), -self.qmax, self.qmax) * scale - x) ** 2).sum(0)
+            better = err < best_err
+            best, best_err = torch.where(better, rng, best), torch.where(better, err, best_err)
+        return best
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row: ``q = round(x / s)``, ``s = max|x_row| / 127`` -> (q int8, s [.., 1])."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / INT8_MAX).clamp_min(torch.finfo(torch.float32).eps)
+    return torch.clamp(torch.round(x.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static symmetric int8 with one calibrated scale."""
+    return torch.clamp(torch.round(x.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
+    """(int8 codes, scale broadcastable to x) for a Linear input, per ``spec``."""
+    if spec.dynamic:
+        if spec.granularity != "token":
+            raise UserError("dynamic activation scales are per-token only: use a8tok-dyn, or a8t-static")
+        return quantize_per_token(x)
+    if input_scale is None:
+        raise UserError("static activation scales need calibration: run calibration first or use a8tok-dyn")
+    return quantize_per_tensor(x, input_scale), input_scale.reshape(1)
+
+
+def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
+    q, scale = quantize_activation(x, spec, input_scale)
+    return (q.float() * scale).to(x.dtype)
+
+
+def input_scale_from_range(absmax: torch.Tensor) -> torch.Tensor:
+    return absmax.float().reshape(1) / INT8_MAX
+
+
+@contextmanager
+def watch_linear_inputs(model: nn.Module, names: list[str], observer: str = "minmax", **kwargs):
+    """Forward hooks feeding each named Linear's input rows into its own observer (yields the dict)."""
+    modules = dict(model.named_modules())
+    observers = {n: make_observer(observer, **kwargs) for n in names}
+    hooks = [modules[n].register_forward_pre_hook(
+        lambda _m, args, o=observers[n]: o.observe(args[0].reshape(-1, 1))) for n in names]
+    try:
+        yield observers
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()  # not inference_mode: the scales become buffers of modules used outside it
+def calibrate_input_scales(model, batches: list[torch.Tensor], names: list[str], observer: str = "minmax",
+                           **kwargs) -> dict[str, torch.Tensor]:
+    """Static per-tensor int8 input scales ``range / 127`` for the named Linears, from token batches [B, T]."""
+    if not batches:
+        raise UserError("calibration needs at least one sample; give calibration text")
+    with watch_linear_inputs(model, names, observer, **kwargs) as observers:
+        for tokens in batches:
+            model.setup_cache(tokens.shape[0], tokens.shape[1])
+            model(tokens, torch.arange(tokens.shape[1]))
+    return {n: check_scale(input_scale_from_range(o.range()), f"input scale of {n}") for n, o in observers.items()}

@@ -1,0 +1,203 @@
+"""compressed-tensors checkpoints: write a quantized native model the way llm-compressor does, load it back.
+
+``save_compressed`` writes ``config.json`` with a ``quantization_config`` (one config group targeting
+``Linear``, the ignore list, ``format`` = ``pack-quantized`` for weight-only int4 / ``int-quantized`` for W8A8,
+...), safetensors weights named ``model.layers.N....weight_packed | weight_scale | weight_zero_point |
+weight_shape`` (or int8 ``weight`` for W8A8), the tokenizer and the generation config. Packing is done by
+compressed-tensors' own compressors. The directory appears atomically (temp dir + rename).
+
+``load_quantized`` (called by ``quant.loading.load_model``) rebuilds the native model with real kernels;
+a save/load round trip is bit-exact because checkpoints hold exactly what each kernel exports.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.compressors.model_compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from safetensors.torch import save_file
+from torch import nn
+
+from quant.errors import UserError
+from quant.loading import load_state_dict
+from quant.qlinear import QuantizedLinear
+from quant.qmath import dequantize
+from quant.scheme import ActSpec, QuantScheme, WeightSpec, parse_scheme
+from quant.quantize import set_submodule
+from specdec.transformer import ModelArgs, Transformer
+
+HF_PREFIX = "model."
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else HF_PREFIX + name
+
+
+def ct_scheme(scheme: QuantScheme) -> QuantizationScheme:
+    """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear."""
+    w = scheme.weights
+    weights = QuantizationArgs(num_bits=w.bits, type="int", symmetric=w.symmetric, strategy=w.granularity,
+                               group_size=w.group_size, dynamic=False)
+    acts = None
+    if scheme.activations is not None:
+        a = scheme.activations
+        acts = QuantizationArgs(num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.granularity,
+                                dynamic=a.dynamic)
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+
+
+def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
+    """The inverse of ``ct_scheme`` for int formats quantspec runs; anything else is a UserError."""
+    w, a = group.weights, group.input_activations
+    if w is None or w.type != "int" or w.strategy not in ("tensor", "channel", "group"):
+        raise UserError(f"compressed-tensors scheme {group.model_dump(exclude_none=True)} is not an int weight "
+                        "format quantspec runs natively; load it with the vllm backend instead")
+    weights = WeightSpec(w.num_bits, w.symmetric, w.strategy, w.group_size)
+    acts = None
+    if a is not None:
+        if a.type != "int" or a.strategy not in ("token", "tensor"):
+            raise UserError(f"activation format {a.model_dump(exclude_none=True)} is not supported natively")
+        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric)
+    return QuantScheme(weights, acts, tuple(ignore))
+
+
+def _ct_scale_shape(scale: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    return scale.reshape(1) if spec.granularity == "tensor" else scale
+
+
+def _compressed_layer(layer: QuantizedLinear, qscheme: QuantizationScheme, compressor) -> dict[str, torch.Tensor]:
+    """One layer through compressed-tensors' compressor (which re-derives the codes from ``(q - z) * s``)."""
+    q, scale, zero = layer.export()
+    weight = dequantize(q, scale.float(), zero, layer.spec)
+    local = {"weight": weight, "weight_scale": _ct_scale_shape(scale, layer.spec),
+             "weight_zero_point": _ct_scale_shape(zero, layer.spec)}
+    if layer.bias is not None:
+        local["bias"] = layer.bias.detach()
+    return compressor.compress(local, qscheme)
+
+
+def save_compressed(lm, report_or_scheme, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write ``lm`` (already quantized in place) as a compressed-tensors checkpoint; returns the directory."""
+    scheme = getattr(report_or_scheme, "scheme", report_or_scheme)
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --out")
+    if scheme.pad:
+        raise UserError(f"{scheme.label}: padded groups have no compressed-tensors layout (vLLM cannot load them); "
+                        "pick a group size that divides every input width")
+    model = lm.model
+    qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not qlayers:
+        raise UserError("the model has no quantized layers; quantize it first (quant.quantize.quantize_model)")
+    qscheme = ct_scheme(scheme)
+    fmt = infer_module_format(nn.Linear, qscheme)
+    qscheme.format = fmt.value
+    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+
+    tied = model.args.tie_word_embeddings
+    state = {}
+    for name, tensor in model.state_dict().items():
+        owner = name.rsplit(".", 1)[0]
+        if any(owner == q or owner.startswith(q + ".") for q in qlayers) or (tied and name == "lm_head.weight"):
+            continue
+        state[hf_name(name)] = tensor
+    for name, layer in qlayers.items():
+        for key, tensor in _compressed_layer(layer, qscheme, compressor).items():
+            state[f"{hf_name(name)}.{key}"] = tensor
+    dense_linears = [hf_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=dense_linears, format=fmt.value,
+                                 quantization_status="compressed")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = {k: v for k, v in lm.config.items() if k != "quantization_config"}
+        config["torch_dtype"] = config["dtype"] = DTYPE_NAMES[lm.dtype]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
+        lm.tokenizer.save_pretrained(tmp)
+        gen_cfg = Path(lm.path) / "generation_config.json"
+        if gen_cfg.exists():
+            shutil.copy(gen_cfg, tmp / "generation_config.json")
+        if hasattr(report_or_scheme, "to_dict"):
+            (tmp / "quantspec_report.json").write_text(json.dumps(report_or_scheme.to_dict(), indent=2, default=str))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an existing ``out`` is swapped away first and removed only after the move."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
+    """(codes [N, K] int8, scale, zero int8) of one layer from a compressed state dict (keys without ``model.``)."""
+    scale = state.pop(f"{name}.weight_scale")
+    if spec.granularity == "tensor":
+        scale = scale.reshape(1, 1)
+    if fmt == "pack-quantized":
+        shape = torch.Size(state.pop(f"{name}.weight_shape").tolist())
+        q = unpack_from_int32(state.pop(f"{name}.weight_packed"), spec.bits, shape)
+        zero = state.pop(f"{name}.weight_zero_point", None)
+        if zero is not None and spec.granularity != "tensor":
+            zero = unpack_from_int32(zero, spec.bits, torch.Size((shape[0], scale.shape[-1])), packed_dim=0)
+    else:
+        q = state.pop(f"{name}.weight")
+        zero = state.pop(f"{name}.weight_zero_point", None)
+    zero = torch.zeros_like(scale, dtype=torch.int8) if zero is None else zero.reshape(scale.shape).to(torch.int8)
+    return q.to(torch.int8), scale, zero
+
+
+def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transformer:
+    """Build the native Transformer from a compressed-tensors checkpoint, quantized layers on real kernels."""
+    qconfig = QuantizationConfig.model_validate(config["quantization_config"])
+    groups = [g for g in qconfig.config_groups.values() if isinstance(g, QuantizationScheme)]
+    if len(groups) != 1 or groups[0].targets != ["Linear"]:
+        raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear; "
+                        f"this one has {list(qconfig.config_groups)}")
+    scheme = scheme_from_ct(groups[0], qconfig.ignore or [])
+    if qconfig.format not in ("pack-quantized", "int-quantized", "naive-quantized"):
+        raise UserError(f"{path}: compressed-tensors format {qconfig.format!r} is not supported natively")
+    state = load_state_dict(Path(path))
+    qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]
+    layers = {name: _layer_codes(state, name, scheme.weights, qconfig.format) for name in qnames}
+    biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
+
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = Transformer(args)
+    for name in qnames:
+        set_submodule(model, name, nn.Identity())
+    model = model.to_empty(device="cpu")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise UserError(f"{path}: checkpoint does not match the Llama layout: missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}")
+    model = model.to(dtype)  # before the quantized layers go in: their scales keep the dtype they were saved in
+    for name, (q, scale, zero) in layers.items():
+        set_submodule(model, name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
+                                                   scheme.activations, dtype))
+    return model.eval()

@@ -1,0 +1,246 @@
+"""Quantized Linear layers and the kernel registry that runs them.
+
+A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed buffers and computes
+``x [M, K] -> y [M, N]``. Kernels register by name; ``select_kernel`` picks the highest-priority kernel whose
+``supports(spec, act, out_features, in_features)`` is true, so there are no if-chains over formats:
+
+* ``int8pack``  -- W8 symmetric per-channel, weight-only: ``torch.ops.aten._weight_int8pack_mm`` (real int8).
+* ``int4pack``  -- W4 per-group (sym or asym), weight-only: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on
+  weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
+* ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, activation quantization without a
+  registered kernel): dequantized weight + plain matmul. Its speed is *not* a real low-bit speed and every
+  report labels it ``simulated``.
+
+Real kernels run bf16 activations (the CPU kernels are 3-30x slower on fp32); a model in fp32 casts the
+layer input to bf16 and the output back.
+
+Adding a kernel (e.g. W8A8 int8 x int8)::
+
+    from quant.qlinear import Kernel, register_kernel
+
+    @register_kernel
+    class W8A8Kernel(Kernel):
+        name, simulated, priority = "w8a8", False, 20
+        @classmethod
+        def supports(cls, spec, act, out_features, in_features): return spec.bits == 8 and act is not None ...
+        def __init__(self, q, scale, zero, spec, act, dtype): ...      # pack (q, scale, zero) into buffers
+        def forward(self, x): ...                                        # x [M, K] -> [M, N] in x.dtype
+        def export(self): ...                                            # -> (q, scale, zero), exactly
+
+``export`` must return codes, scale and zero such that building the kernel again from them gives identical
+buffers (checkpoints store what ``export`` returns, so a save/load round trip is bit-exact).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant.actquant import fake_quantize_activation
+from quant.errors import UserError
+from quant.qmath import dequantize
+from quant.scheme import ActSpec, WeightSpec
+
+FAST_DTYPE = torch.bfloat16
+
+
+class Kernel(nn.Module):
+    """Base class: ``q`` [N, K] int8 codes, ``scale``/``zero`` in ``quant.qmath`` layout."""
+
+    name: str = ""
+    simulated: bool = False
+    priority: int = 0  # higher wins when several kernels support a format
+
+    @classmethod
+    def supports(cls, spec: WeightSpec, act: ActSpec | None, out_features: int, in_features: int) -> bool:
+        """Whether this kernel runs this format at this shape ([out, in] of the codes)."""
+        raise NotImplementedError
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+KERNELS: dict[str, type[Kernel]] = {}
+
+
+def register_kernel(cls: type[Kernel]) -> type[Kernel]:
+    KERNELS[cls.name] = cls
+    return cls
+
+
+def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
+                  kernel: str | None = None) -> type[Kernel]:
+    """The named kernel (checked), or the highest-priority kernel that supports this format and shape."""
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise UserError(f"unknown kernel {kernel!r}: use one of {', '.join(KERNELS)}")
+        if not KERNELS[kernel].supports(spec, act, *shape):
+            raise UserError(f"kernel {kernel!r} cannot run {spec.label}{'_' + act.label if act else ''} "
+                            f"at shape {list(shape)}")
+        return KERNELS[kernel]
+    candidates = [k for k in KERNELS.values() if k.supports(spec, act, *shape)]
+    return max(candidates, key=lambda k: k.priority)
+
+
+def _bf16_matmul(x: torch.Tensor, op) -> torch.Tensor:
+    """Run ``op`` on bf16 activations and return the caller's dtype."""
+    return op(x.to(FAST_DTYPE)).to(x.dtype)
+
+
+@register_kernel
+class Int8PackKernel(Kernel):
+    """Symmetric per-channel int8 weights, bf16 scales [N]: ``y = (x @ q.T) * s``."""
+
+    name, priority = "int8pack", 10
+
+    @classmethod
+    def supports(cls, spec, act, out_features, in_features):
+        # the op reads out of bounds for input widths that are not a multiple of 16 (checked: 66, 72)
+        return (act is None and spec.bits == 8 and spec.symmetric and spec.granularity == "channel"
+                and in_features % 32 == 0)
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.register_buffer("weight", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scale.reshape(-1).to(FAST_DTYPE).contiguous())
+
+    def forward(self, x):
+        return _bf16_matmul(x, lambda xb: torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales))
+
+    def export(self):
+        scale = self.scales[:, None]
+        return self.weight, scale, torch.zeros_like(scale, dtype=torch.int8)
+
+
+@register_kernel
+class Int4PackKernel(Kernel):
+    """Group-wise int4 in torch's CPU tinygemm layout.
+
+    torch's kernel computes ``w = (u - 8) * s + t`` with unsigned codes ``u`` in 0..15 and per-group
+    ``scales_and_zeros`` [n_groups, N, 2] = (s, t). Our signed codes ``q`` in -8..7 mean ``w = (q - z) * s``, so
+    ``u = q + 8`` and ``t = -z * s`` (rounded to bf16 once, like ``s``)."""
+
+    name, priority = "int4pack", 10
+
+    @classmethod
+    def supports(cls, spec, act, out_features, in_features):
+        return (act is None and spec.bits == 4 and spec.granularity == "group"
+                and spec.group_size in (32, 64, 128, 256) and in_features % spec.group_size == 0
+                and out_features % 16 == 0)
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.group_size = spec.group_size
+        self.in_features = q.shape[1]
+        unsigned = (q.to(torch.int32) + 8).contiguous()
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+        s = scale.to(FAST_DTYPE)
+        t = (-zero.float() * s.float()).to(FAST_DTYPE)
+        self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+
+    def forward(self, x):
+        return _bf16_matmul(x, lambda xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, self.weight, self.group_size, self.scales_and_zeros))
+
+    def export(self):
+        """Codes by running the kernel on the identity with (s, t) = (1, 0): exact small integers."""
+        unit = torch.zeros_like(self.scales_and_zeros)
+        unit[..., 0] = 1
+        eye = torch.eye(self.in_features, dtype=FAST_DTYPE)
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, unit).T
+        s, t = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, n_groups] each
+        zero = torch.round(-t.float() / s.float())  # |z| <= 8, so bf16 rounding of t cannot move it
+        return q.round().to(torch.int8).contiguous(), s.contiguous(), zero.to(torch.int8)
+
+
+@register_kernel
+class SimulatedKernel(Kernel):
+    """Any format: dequantized weight in the model dtype + plain matmul (activations fake-quantized if asked)."""
+
+    name, simulated, priority = "simulated", True, -1
+
+    @classmethod
+    def supports(cls, spec, act, out_features, in_features):
+        return True
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.spec, self.act = spec, act
+        self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("zero", zero.to(torch.int8).contiguous())
+        self.register_buffer("weight", dequantize(self.q, self.scale, self.zero, spec, dtype), persistent=False)
+
+    def forward(self, x):
+        if self.act is not None:
+            x = fake_quantize_activation(x, self.act)
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def export(self):
+        return self.q, self.scale, self.zero
+
+
+class QuantizedLinear(nn.Module):
+    """Drop-in ``nn.Linear`` replacement: ``y = kernel(x) + bias``.
+
+    With a padded scheme the codes are wider than ``in_features`` (zero columns appended up to a multiple of
+    the group size) and the input is zero-padded to match."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec,
+                 in_features: int, bias: torch.Tensor | None = None, act: ActSpec | None = None,
+                 dtype: torch.dtype = torch.float32, kernel: str | None = None):
+        super().__init__()
+        self.spec, self.act = spec, act
+        self.in_features, self.out_features = in_features, q.shape[0]
+        self.padded_in = q.shape[1]
+        self.kernel = select_kernel(spec, act, tuple(q.shape), kernel)(q, scale, zero, spec, act, dtype)
+        self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_result(cls, result, spec: WeightSpec, in_features: int, bias=None, act=None,
+                    dtype=torch.float32, kernel: str | None = None) -> "QuantizedLinear":
+        """From a ``quant.methods.QuantResult``."""
+        return cls(result.q, result.scale, result.zero, spec, in_features, bias, act, dtype, kernel)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def simulated(self) -> bool:
+        return self.kernel.simulated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.padded_in != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+        y = self.kernel(x2).reshape(*shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, padded_in] int8, scale, zero int8) exactly as the kernel uses them."""
+        return self.kernel.export()
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(q - z) * s`` [N, in_features]: the weight this layer represents."""
+        q, scale, zero = self.export()
+        return dequantize(q, scale.float(), zero, self.spec, dtype)[:, : self.in_features]
+
+    def format_bytes(self) -> int:
+        """Bytes of the stored format: packed codes + scales (+ zero points when asymmetric)."""
+        q, scale, zero = self.export()
+        n = q.numel() * self.spec.bits // 8 + scale.numel() * scale.element_size()
+        return n + (0 if self.spec.symmetric else zero.numel())
+
+    def resident_bytes(self) -> int:
+        """Bytes this layer's buffers occupy in the runtime (what decoding streams for a real kernel)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers()) + (
+            self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, {self.spec.label}"
+                f"{'_' + self.act.label if self.act else ''}, kernel={self.kernel_name}")
+
+
+from quant import w8a8  # noqa: E402,F401  (registers the int8xint8 W8A8 kernel; kept last: it imports this module)

@@ -1,0 +1,162 @@
+"""Quantize a loaded model in place: pick the Linear layers, calibrate if the method needs it, replace each layer
+by a ``QuantizedLinear`` running the best registered kernel, and report what happened per layer."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from rich.progress import track
+from torch import nn
+
+from quant.errors import UserError
+from quant.loading import LoadedModel
+from quant.methods import LayerStats, get_method
+from quant.qlinear import QuantizedLinear
+from quant.scheme import QuantScheme, check_group_fits, is_ignored, padded_width, parse_scheme
+
+
+@dataclass
+class LayerReport:
+    name: str
+    shape: tuple[int, int]  # [out, in]
+    kernel: str
+    simulated: bool
+    bytes_before: int  # dense weight in the model dtype
+    bytes_after: int  # stored format: packed codes + scales (+ zeros)
+    weight_rel_error: float  # ||W - Ŵ||_F / ||W||_F
+    output_rel_error: float | None  # ||X (W - Ŵ)ᵀ|| / ||X Wᵀ|| on calibration samples, when available
+    seconds: float
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class QuantReport:
+    scheme: QuantScheme
+    method: str
+    dtype: str
+    calibration: str | None
+    layers: list[LayerReport]
+    dense: list[str]  # Linear layers left unquantized (ignored or tied to the embedding)
+    transform: dict
+    seconds: float
+
+    @property
+    def simulated(self) -> bool:
+        return any(layer.simulated for layer in self.layers)
+
+    @property
+    def kernels(self) -> dict[str, int]:
+        return dict(Counter(layer.kernel for layer in self.layers))
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(layer.bytes_before for layer in self.layers)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(layer.bytes_after for layer in self.layers)
+
+    @property
+    def mean_weight_error(self) -> float:
+        return sum(layer.weight_rel_error for layer in self.layers) / len(self.layers)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["scheme"] = self.scheme.label
+        d.update(simulated=self.simulated, kernels=self.kernels, bytes_before=self.bytes_before,
+                 bytes_after=self.bytes_after, mean_weight_rel_error=self.mean_weight_error)
+        return d
+
+
+def quantizable_linears(model: nn.Module, scheme: QuantScheme) -> tuple[list[str], list[str]]:
+    """(Linear layers to quantize, Linear layers kept dense). A tied LM head always stays dense."""
+    embed = getattr(model, "embed_tokens", None)
+    chosen, dense = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        tied = embed is not None and module.weight is embed.weight
+        (dense if tied or is_ignored(scheme, name) else chosen).append(name)
+    return chosen, dense
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _padded_stats(stats: LayerStats | None, width: int) -> LayerStats | None:
+    """Statistics of an input zero-padded to ``width`` columns (padded inputs are always 0)."""
+    if stats is None:
+        return None
+    pad = width - (stats.hessian.shape[0] if stats.hessian is not None else
+                   next(t.shape[-1] for t in (stats.abs_mean, stats.abs_max, stats.samples) if t is not None))
+    grow = lambda t, dims: None if t is None else F.pad(t, (0, pad) * dims)  # noqa: E731
+    return replace(stats, hessian=grow(stats.hessian, 2), abs_mean=grow(stats.abs_mean, 1),
+                   abs_max=grow(stats.abs_max, 1), samples=grow(stats.samples, 1))
+
+
+def _output_error(stats: LayerStats | None, w: torch.Tensor, w_hat: torch.Tensor) -> float | None:
+    if stats is None or stats.samples is None:
+        return None
+    x = stats.samples.float()
+    return ((x @ (w - w_hat).T).norm() / (x @ w.T).norm().clamp_min(1e-12)).item()
+
+
+@torch.no_grad()
+def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
+                   progress: bool = True) -> QuantReport:
+    """Replace ``lm.model``'s Linear layers by quantized ones in place (see module docstring)."""
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    if scheme.weights is None:
+        raise UserError("scheme 'none' quantizes nothing: pick a weight scheme such as W8A16 or w4g32-asym")
+    if scheme.activations is not None and not scheme.activations.dynamic:
+        raise UserError(f"{scheme.label}: static activation scales need calibrated input scales, which "
+                        "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
+    weight_method = get_method(method)
+    spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
+    names, dense = quantizable_linears(model, scheme)
+    if not names:
+        raise UserError(f"{lm.path}: no Linear layers to quantize (the model has none, or scheme ignore "
+                        f"{list(scheme.ignore)} covers them all)")
+    modules = dict(model.named_modules())
+    for name in names:
+        check_group_fits(scheme, name, modules[name].in_features)
+
+    stats: dict[str, LayerStats] = {}
+    calib_label = None
+    if weight_method.needs_calibration:
+        from quant.calibration import CalibConfig, calibration_batches, collect_layer_stats
+
+        calib = calib or CalibConfig()
+        calib_label = calib.label
+        stats = collect_layer_stats(lm, calibration_batches(calib, lm), names, need=weight_method.needs)
+    transform_info = weight_method.transform(lm, stats, spec)
+
+    layers = []
+    for name in track(names, description=f"quantizing {scheme.label} ({method})", disable=not progress,
+                      transient=True):
+        linear = modules[name]
+        t0 = time.perf_counter()
+        w = linear.weight.detach().float()
+        width = padded_width(scheme, linear.in_features)
+        layer_stats = stats.get(name)
+        if width != linear.in_features:
+            w_in, layer_stats = F.pad(w, (0, width - linear.in_features)), _padded_stats(layer_stats, width)
+        else:
+            w_in = w
+        result = weight_method.quantize_weight(w_in, spec, layer_stats)
+        qlinear = QuantizedLinear.from_result(result, spec, linear.in_features, linear.bias, scheme.activations,
+                                              lm.dtype)
+        w_hat = qlinear.dequantized_weight()
+        set_submodule(model, name, qlinear)
+        layers.append(LayerReport(
+            name, (linear.out_features, linear.in_features), qlinear.kernel_name, qlinear.simulated,
+            linear.weight.numel() * linear.weight.element_size(), qlinear.format_bytes(),
+            ((w - w_hat).norm() / w.norm().clamp_min(1e-12)).item(), _output_error(stats.get(name), w, w_hat),
+            time.perf_counter() - t0, result.info))
+    return QuantReport(scheme, method, lm.precision, calib_label, layers, dense, transform_info,
+                       time.perf_counter() - t_start)

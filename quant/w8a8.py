@@ -1,0 +1,102 @@
+"""W8A8: int8 weights x int8 activations on a real integer matmul (``torch._int_mm``, int32 accumulation).
+
+``torch._int_mm(a [M, K] int8, b [K, N] int8) -> int32`` runs on CPU in torch 2.13 for any M, K, N (checked:
+M = 1..64, odd K and N, transposed b). The kernel computes ``y = (q_x @ q_wᵀ) * s_x * s_w`` with symmetric
+per-channel weight scales ``s_w`` [N] and activation scales ``s_x`` per token (dynamic) or one calibrated
+per-tensor scale (static). ``quantize_w8a8`` builds a W8A8 model end to end: optional SmoothQuant, static
+input-scale calibration (observer by name), any weight method.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from quant.actquant import calibrate_input_scales, quantize_activation
+from quant.errors import UserError
+from quant.qlinear import Kernel, QuantizedLinear, register_kernel
+from quant.scheme import ActSpec, QuantScheme, parse_scheme
+
+
+def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K]ᵀ -> int32 [M, N], exact."""
+    return torch._int_mm(xq, wq.t())
+
+
+@register_kernel
+class Int8xInt8Kernel(Kernel):
+    """Symmetric per-channel int8 weights with int8 activations (per-token dynamic or per-tensor static)."""
+
+    name, priority = "int8xint8", 20
+
+    @classmethod
+    def supports(cls, spec, act, out_features, in_features):
+        return act is not None and spec.bits == 8 and spec.symmetric and spec.granularity == "channel"
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.act = act
+        self.register_buffer("weight", q.to(torch.int8).contiguous())
+        self.register_buffer("weight_scale", scale.reshape(-1).float().contiguous())
+        self.register_buffer("input_scale", None)
+
+    def set_static_input_scale(self, act: ActSpec, input_scale: torch.Tensor) -> None:
+        self.act = act
+        self.register_buffer("input_scale", input_scale.float().reshape(1))
+
+    def forward(self, x):
+        xq, x_scale = quantize_activation(x, self.act, self.input_scale)
+        y = int8_matmul(xq, self.weight).float() * x_scale * self.weight_scale
+        return y.to(x.dtype)
+
+    def export(self):
+        scale = self.weight_scale[:, None]
+        return self.weight, scale, torch.zeros_like(scale, dtype=torch.int8)
+
+
+def dynamic_twin(scheme: QuantScheme) -> QuantScheme:
+    """The same scheme with per-token dynamic activations (what ``quantize_model`` builds)."""
+    return replace(scheme, activations=ActSpec(scheme.activations.bits, "token", True))
+
+
+def set_static_input_scales(model, act: ActSpec, input_scales: dict[str, torch.Tensor]) -> None:
+    """Switch the named W8A8 layers to static per-tensor activations with the given scales."""
+    for name, scale in input_scales.items():
+        layer = model.get_submodule(name)
+        if not isinstance(layer, QuantizedLinear) or not isinstance(layer.kernel, Int8xInt8Kernel):
+            raise UserError(f"{name}: static activation scales need the int8xint8 kernel (W8 symmetric "
+                            "per-channel weights, e.g. w8ch-sym_a8t-static)")
+        layer.act = act
+        layer.kernel.set_static_input_scale(act, scale)
+
+
+def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", calib=None,
+                  observer: str = "minmax", smoothquant: float | None = None, progress: bool = True):
+    """Quantize ``lm`` in place to a W8A8 scheme; returns Q1's ``QuantReport`` (with this scheme's label).
+
+    Order: SmoothQuant (if ``smoothquant`` = alpha) on the fp model, then static input scales (if the scheme
+    asks for them) observed on the smoothed fp model, then the weight method, then the static switch."""
+    from quant.calibration import CalibConfig, calibration_batches
+    from quant.quantize import quantizable_linears, quantize_model
+    from quant.smoothquant import apply_smoothquant
+
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    if scheme.activations is None:
+        raise UserError(f"{scheme.label} has no activation quantization; use W8A8 or a label like w8ch-sym_a8t-static")
+    calib = calib or CalibConfig(samples=32)
+    static = not scheme.activations.dynamic
+    batches = calibration_batches(calib, lm) if static or smoothquant is not None else []
+    transform = {}
+    if smoothquant is not None:
+        transform["smoothquant"] = apply_smoothquant(lm, smoothquant, batches)
+    names, _ = quantizable_linears(lm.model, scheme)
+    input_scales = {}
+    if static:
+        token_batches = [torch.tensor([b]) for b in batches]
+        input_scales = calibrate_input_scales(lm.model, token_batches, names, observer)
+    report = quantize_model(lm, dynamic_twin(scheme), method, calib, progress)
+    if static:
+        set_static_input_scales(lm.model, scheme.activations, input_scales)
+        transform["static_input_scales"] = {"observer": observer, "calibration": calib.label}
+    calibration = report.calibration or (calib.label if batches else None)
+    return replace(report, scheme=scheme, transform={**report.transform, **transform}, calibration=calibration)

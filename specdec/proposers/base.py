@@ -1,0 +1,104 @@
+"""The proposer interface, the registry and the one place spec strings are parsed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quant.errors import UserError
+from quant.loading import LoadedModel
+from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
+
+
+@dataclass
+class Proposal:
+    """Up to K draft tokens; ``q`` [len(tokens), vocab] holds the draft distributions, None = one-hot."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+class Proposer:
+    """Proposes draft tokens continuing ``context`` (prompt + generated tokens so far)."""
+
+    name = "?"
+
+    @classmethod
+    def from_spec(cls, arg: str, target: LoadedModel) -> "Proposer":
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def attach(self, decoder) -> None:
+        """Called once per target ``Decoder`` before generating (draft caches are sized from it)."""
+
+    def reset(self) -> None:
+        """Called at the start of every request."""
+
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+
+class AutoregressiveDraft(Proposer):
+    """A draft model run token by token; subclasses say how it catches up with ``context`` and steps."""
+
+    def catch_up(self, context: list[int]) -> torch.Tensor:
+        """Feed what the draft has not seen of ``context``; return the logits after its last token."""
+        raise NotImplementedError
+
+    def step(self, token: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(self, context, k, sampling, generator):
+        if k == 0:
+            return Proposal([])
+        logits = self.catch_up(context)
+        tokens, qs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = logits_to_probs(logits, sampling)
+                qs.append(q)
+                tokens.append(int(sample_from(q, generator)))
+            if i + 1 < k:
+                logits = self.step(tokens[-1])
+        return Proposal(tokens, torch.stack(qs) if qs else None)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str):
+    def deco(cls: type[Proposer]) -> type[Proposer]:
+        cls.name = name
+        PROPOSERS[name] = cls
+        return cls
+
+    return deco
+
+
+def build_proposer(spec: str, target: LoadedModel) -> Proposer:
+    """``NAME[:ARG]`` -> a proposer for ``target``; unknown names are a UserError listing the known ones."""
+    name, _, arg = spec.strip().partition(":")
+    if name not in PROPOSERS:
+        raise UserError(f"unknown proposer {name!r}: use one of {', '.join(sorted(PROPOSERS))} "
+                        "(e.g. ngram:min=2,max=4, draft:PATH, layerskip:8, selfquant:w4g32-asym)")
+    return PROPOSERS[name].from_spec(arg, target)
+
+
+def parse_params(arg: str, allowed: dict[str, type], proposer: str) -> dict:
+    """``key=value,key=value`` with typed values; unknown keys and bad values are UserErrors."""
+    params = {}
+    for item in filter(None, (x.strip() for x in arg.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed:
+            raise UserError(f"{proposer}: bad parameter {item!r}; use {', '.join(f'{k}=' for k in allowed)}")
+        try:
+            params[key] = allowed[key](value)
+        except ValueError:
+            raise UserError(f"{proposer}: {key} must be {allowed[key].__name__}, got {value!r}") from None
+    return params

@@ -1,0 +1,78 @@
+"""Speculative decoding on the native runtime (batch 1): propose K tokens, verify them in one target
+forward, keep the accepted prefix plus one target token, roll the caches back past the rest."""
+from __future__ import annotations
+
+import time
+
+from quant.errors import UserError
+from quant.loading import LoadedModel
+from specdec.generate import Decoder, GenerationResult
+from specdec.metrics import AcceptanceStats
+from specdec.proposers import Proposer, build_proposer
+from specdec.sampling import SamplingConfig, next_token
+from specdec.verify import verify
+
+MAX_K = 32
+
+
+def check_k(k: int) -> int:
+    if not 1 <= k <= MAX_K:
+        raise UserError(f"K (draft tokens per step) must be in 1..{MAX_K}, got {k}")
+    return k
+
+
+class SpeculativeDecoder:
+    """Output equals plain decoding token for token when greedy, and in distribution when sampling.
+
+    ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches."""
+
+    def __init__(self, target: LoadedModel, proposer: Proposer | str, k: int,
+                 sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048):
+        self.k = check_k(k)
+        self.sampling = sampling
+        self.decoder = Decoder(target, max_len)
+        self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
+        self.proposer.attach(self.decoder)
+
+    def start(self, prompt_ids: list[int], generator) -> int:
+        """Reset both caches and prefill the prompt; returns the first token (sampled from the prefill)."""
+        self.decoder.reset()
+        self.proposer.reset()
+        return int(next_token(self.decoder.forward(prompt_ids)[-1], self.sampling, generator))
+
+    def step(self, context: list[int], k: int, generator, stats: AcceptanceStats) -> list[int]:
+        """One propose + verify round after ``context`` (the target cache holds all of it but the last token);
+        returns the accepted draft tokens plus the target's correction or bonus token."""
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(context, k, self.sampling, generator)
+        t1 = time.perf_counter()
+        logits = self.decoder.forward([context[-1], *proposal.tokens])
+        verdict = verify(logits, proposal, self.sampling, generator)
+        self.decoder.rollback(len(context) + verdict.accepted)
+        stats.observe(len(proposal.tokens), verdict.accepted, t1 - t0, time.perf_counter() - t1)
+        return [*proposal.tokens[:verdict.accepted], verdict.token]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > self.decoder.max_len:
+            raise UserError(f"prompt ({len(prompt_ids)}) + {max_new_tokens} new tokens exceed max length "
+                            f"{self.decoder.max_len}; raise max_len")
+        generator = self.sampling.generator()
+        eos = set() if ignore_eos else self.decoder.eos_ids
+        stats = AcceptanceStats(self.k)
+        t0 = time.perf_counter()
+        out = [self.start(prompt_ids, generator)]
+        t1 = time.perf_counter()
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            context = [*prompt_ids, *out]
+            k = min(self.k, max_new_tokens - len(out), self.decoder.max_len - len(context))
+            for token in self.step(context, k, generator, stats):
+                out.append(token)
+                if len(out) == max_new_tokens or token in eos:
+                    break
+        t2 = time.perf_counter()
+        reason = "eos" if out[-1] in eos else "length"
+        text = self.decoder.lm.tokenizer.decode(out, skip_special_tokens=True)
+        return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason,
+                                stats={"proposer": self.proposer.label, **stats.to_dict()})

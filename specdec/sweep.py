@@ -1,0 +1,123 @@
+"""Acceptance and speed vs K for one proposer: measured beside Leviathan's prediction and a refined one.
+
+Batch 1, sequential requests, fixed output length (ignore_eos). The plain-decoding baseline runs on the same
+target, prompts, sampling and max length; speedup = speculative decode tok/s / plain decode tok/s (prefill
+excluded from both; a draft model's own prefill counts against speculation).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quant.loading import LoadedModel
+from specdec.generate import Decoder, GenerationResult
+from specdec.metrics import AcceptanceStats
+from specdec.proposers import Proposer
+from specdec.sampling import SamplingConfig
+from specdec.speculative import MAX_K, SpeculativeDecoder
+from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
+
+Tick = Callable[[str], None]
+
+
+@torch.inference_mode()
+def verify_cost_curve(lm: LoadedModel, prompt_ids: list[int], max_draft: int, max_len: int,
+                      repeats: int = 7) -> list[float]:
+    """cost[n] = time of one target forward over n+1 new tokens / time of a 1-token decode step, after a
+    prefill of ``prompt_ids``. Sizes are interleaved and the minimum of ``repeats`` is kept: on a shared CPU
+    noise only ever adds time."""
+    decoder = Decoder(lm, max_len)
+    decoder.forward(prompt_ids)
+    start = decoder.pos
+    tokens = (prompt_ids * (max_draft + 1))[: max_draft + 1]
+    best = [float("inf")] * (max_draft + 1)
+    for _ in range(repeats):
+        for n in range(max_draft + 1):
+            decoder.rollback(start)
+            t = time.perf_counter()
+            decoder.forward(tokens[: n + 1])
+            best[n] = min(best[n], time.perf_counter() - t)
+    return [b / best[0] for b in best]
+
+
+def decode_rate(results: list[GenerationResult]) -> tuple[float, float]:
+    """(decode tok/s, seconds per token) over all results: tokens after the first / decode seconds."""
+    tokens = sum(len(r.tokens) - 1 for r in results)
+    seconds = sum(r.decode_s for r in results)
+    return tokens / seconds, seconds / tokens
+
+
+def draft_length_histogram(stats: AcceptanceStats) -> list[float]:
+    """P(a verification step carried n draft tokens), n = 0..K."""
+    per_pos = [*stats.draft_tokens_per_pos, 0]
+    counts = [stats.steps - stats.drafts] + [per_pos[n - 1] - per_pos[n] for n in range(1, stats.k + 1)]
+    return [c / stats.steps for c in counts]
+
+
+def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float]) -> dict:
+    """Thm 3.8 (every step drafts K, verification costs one decode step) and the refined prediction: the
+    measured mix of draft lengths (0..K, as a lookup proposer may find nothing), K·c for the drafted tokens
+    and the measured verify cost of each length."""
+    hist = draft_length_histogram(stats)
+    tokens = sum(p * expected_tokens(stats.alpha, n) for n, p in enumerate(hist))
+    cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[n] for n, p in enumerate(hist))
+    return {"predicted_speedup": walltime_speedup(stats.alpha, stats.k, c),
+            "refined_speedup": tokens / cost,
+            "refined_no_mix": refined_speedup(stats.alpha, stats.k, c, verify_cost[stats.k]),
+            "draft_length_hist": hist}
+
+
+@dataclass
+class SweepResult:
+    baseline: dict
+    rows: list[dict]
+    verify_cost: list[float]
+
+    @property
+    def best_k(self) -> int:
+        return max(self.rows, key=lambda r: r["speedup"])["k"]
+
+
+def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: list[list[int]],
+              max_new_tokens: int, sampling: SamplingConfig, tick: Tick = lambda _: None) -> SweepResult:
+    """Per prompt: plain decoding, then speculative decoding at every K (interleaved, so load drift on a
+    shared machine hits all rows alike); one excluded warm-up request per engine and K first."""
+    max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
+    plain = Decoder(target, max_len)
+    spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len)
+    warm = prompts[0], min(8, max_new_tokens)
+    plain.generate(*warm, sampling, ignore_eos=True)
+    for k in ks:
+        spec.k = k
+        spec.generate(*warm, ignore_eos=True)
+    base, runs = [], {k: [] for k in ks}
+    for ids in prompts:
+        base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=True))
+        tick("plain")
+        for k in ks:
+            spec.k = k
+            runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=True))
+            tick(f"K={k}")
+    plain_tok_s, step_s = decode_rate(base)
+    curve = verify_cost_curve(target, prompts[0], max(ks), max_len)
+    rows = []
+    for k, results in runs.items():
+        stats = AcceptanceStats(k)
+        for r in results:
+            stats = stats.merge(AcceptanceStats.from_dict(r.stats))
+        tok_s, _ = decode_rate(results)
+        c = (stats.propose_s / max(stats.draft_tokens, 1)) / step_s
+        row = {"k": k, **stats.to_dict(), "tok_s": tok_s, "speedup": tok_s / plain_tok_s, "c": c,
+               "verify_cost": curve[k], "verify_cost_in_run": stats.verify_s / stats.steps / step_s,
+               **predictions(stats, c, curve)}
+        row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
+        row["measured_over_refined"] = row["speedup"] / row["refined_speedup"]
+        if sampling.greedy:
+            row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
+        rows.append(row)
+    baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
+                "output_tokens": [len(r.tokens) for r in base]}
+    return SweepResult(baseline, rows, curve)

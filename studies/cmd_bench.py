@@ -1,0 +1,149 @@
+"""``quantspec bench``: throughput per effective token and latency of one configuration at several load levels."""
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from evals.record import write_json_atomic
+from quant.errors import UserError
+from studies.app import DataDirOption, app
+
+console = Console()
+if not console.is_terminal:
+    console.width = 200  # keep the results table readable in logs
+
+
+def parse_levels(text: str | None, cast, name: str) -> list:
+    if not text:
+        return []
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{name} takes a comma-separated list of numbers, got {text!r}") from None
+
+
+def load_specs(concurrency: str | None, rate: str | None, burstiness: float) -> list:
+    from evals.loadgen import LoadSpec
+
+    if concurrency and rate:
+        raise UserError("pass either --concurrency (closed loop) or --rate (open loop), not both")
+    rates = parse_levels(rate, float, "--rate")
+    if rates:
+        return [LoadSpec.open(r, burstiness) for r in rates]
+    return [LoadSpec.closed(c) for c in parse_levels(concurrency or "1", int, "--concurrency")]
+
+
+def _ms(stats: dict, key: str) -> str:
+    return f"{stats[key] * 1e3:.0f}" if stats and key in stats else "-"
+
+
+def print_results(title: str, runs: list) -> None:
+    table = Table(title=title)
+    for col in ("config", "load", "eff tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
+                "E2E p50/p99 ms", "goodput r/s", "α", "τ", "speedup", "peak RSS MiB", "failed"):
+        table.add_column(col, justify="right")
+    for run in runs:
+        s = run.summary
+        if run.failed:
+            table.add_row(_spec_label(run), run.record.arrival.kind,
+                          "FAILED", *["-"] * 10, s.get("error", "")[:40])
+            continue
+        spec = s.get("spec") or {}
+        table.add_row(
+            _spec_label(run),
+            _load_label(run.record.arrival), f"{s['effective_tok_s']:.1f}", f"{s['requests_s']:.2f}",
+            f"{_ms(s['ttft_s'], 'p50')}/{_ms(s['ttft_s'], 'p99')}", _ms(s["tpot_s"], "p50"),
+            f"{_ms(s['itl_s'], 'p50')}/{_ms(s['itl_s'], 'p99')}", f"{_ms(s['e2e_s'], 'p50')}/{_ms(s['e2e_s'], 'p99')}",
+            f"{s['goodput_rps']:.2f}", f"{spec['alpha']:.2f}" if spec.get("alpha") is not None else "-",
+            f"{spec['tau']:.2f}" if spec.get("tau") is not None else "-",
+            f"{s['speedup']:.2f}x" if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}", str(s["n_failed"]))
+    console.print(table)
+
+
+def _spec_label(run) -> str:
+    cfg = run.record.engine.config["serving_config"]
+    return f"{cfg['spec']} K={cfg['k']}" if cfg["spec"] else "no spec"
+
+
+def _load_label(arrival) -> str:
+    return f"C={arrival.concurrency}" if arrival.kind == "closed-loop" else f"λ={arrival.rate_rps:g}/s"
+
+
+@app.command()
+def bench(
+    model: str = typer.Option("default", "--model", "-m", help="`default`, a local HF dir, or a hub id."),
+    scheme: str = typer.Option("none", help="Weight/activation scheme: none, W8A8, W4A16, w4g32-asym, ..."),
+    method: str = typer.Option("rtn", help="Weight quantization method."),
+    kv: str = typer.Option("none", help="KV-cache format: none (bf16), fp8, kivi4, k8tok-v4chg32, ..."),
+    spec: str = typer.Option(None, help="Proposer, e.g. ngram:k=4, ngram:min=2,max=4, draft:PATH (default: none)."),
+    k: int = typer.Option(4, "--k", help="Draft tokens per step (a k= inside --spec wins)."),
+    backend: str = typer.Option("native", help="native (batch-1, requests queue) or vllm (continuous batching)."),
+    workload: str = typer.Option("short-short", help="spec_bench, mt_bench, short-short, long-short, short-long, "
+                                                    "mix, or a prompts .jsonl path."),
+    concurrency: str = typer.Option(None, help="Closed-loop client counts, e.g. 1,4,16 (default 1)."),
+    rate: str = typer.Option(None, help="Open-loop Poisson rates in req/s, e.g. 0.5,1,2."),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrivals (1 = Poisson)."),
+    num_prompts: int = typer.Option(16, "--num-prompts", "-n"),
+    output_len: int = typer.Option(None, help="Fixed output length (default: the workload's)."),
+    natural_eos: bool = typer.Option(False, help="Stop at EOS and report real output lengths (default: ignore_eos)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    max_model_len: int = typer.Option(1024, help="Engine context length (prompt + output must fit)."),
+    port: int = typer.Option(0, help="Port of the vllm serve used for --rate runs (0 = a free one)."),
+    baseline: bool = typer.Option(True, help="With --spec, also run without speculation for the speedup."),
+    slo_ttft: float = typer.Option(2.0, help="Goodput SLO: TTFT bound in seconds."),
+    slo_tpot: float = typer.Option(0.2, help="Goodput SLO: TPOT bound in seconds."),
+    json_out: str = typer.Option(None, "--json", help="Write every run record to this JSON file."),
+    data_dir: str = DataDirOption,
+):
+    """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
+    from evals.backends.base import ServingConfig, split_k
+    from evals.serving_metrics import SLO
+
+    loads = load_specs(concurrency, rate, burstiness)
+    spec, k_in_spec = split_k(spec)
+    config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k_in_spec or k,
+                           backend=backend,
+                           temperature=temperature, max_model_len=max_model_len, port=port)
+    configs = [config.without_spec(), config] if config.speculative and baseline else [config]
+    runs = run_sweep(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
+                     SLO(slo_ttft, slo_tpot))
+    print_results(f"{backend}: {model} {scheme} kv={kv} | {workload}, {num_prompts} prompts", runs)
+    if runs[0].record.model.note:
+        console.print(f"[yellow]note:[/] {runs[0].record.model.note}")
+    if json_out:
+        write_json_atomic(json_out, {"runs": [r.record.to_dict() for r in runs]})
+        console.print(f"run records: {json_out}")
+    failed = [r for r in runs if r.failed]
+    if failed:
+        print(f"error: measurement failed: {failed[0].summary['error']} (engine log tail in the JSON record)",
+              file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def run_sweep(configs: list, loads: list, workload: str, num_prompts: int, output_len: int | None,
+              ignore_eos: bool, data_dir, slo) -> list:
+    """Every config at every load, one engine per config reused across loads; speculative configs get the
+    matching no-speculation run as baseline. Stops at the first failed measurement."""
+    from evals.backends import open_backend
+    from evals.bench_api import run_benchmark
+
+    runs, baselines = [], {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        for config in configs:
+            with open_backend(config) as engine:
+                for load in loads:
+                    task = bar.add_task(f"{config.label} {load.label}", total=num_prompts)
+                    run = run_benchmark(config, workload, load, backend=engine, num_prompts=num_prompts,
+                                        output_len=output_len, ignore_eos=ignore_eos, data_dir=data_dir, slo=slo,
+                                        baseline=baselines.get(load) if config.speculative else None,
+                                        progress=lambda _r, t=task: bar.advance(t))
+                    runs.append(run)
+                    baselines[load] = run
+                    if run.failed:
+                        return runs
+    return runs

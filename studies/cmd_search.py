@@ -1,0 +1,123 @@
+"""``quantspec search`` (an Optuna study under a quality floor) and ``quantspec pareto`` (its table and plot)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from quant.errors import UserError
+from studies.app import DataDirOption, app
+from studies.objective import get_evaluator
+from studies.pareto import StudySummary, footer_lines, load_summary, rich_table, summarize, write_csv, write_json, write_png
+from studies.search import DEFAULT_STUDY_DIR, SearchSettings, finished_trials, run_search
+from studies.space import load_space
+from studies.storage import storage_url
+
+
+def _console() -> Console:
+    """Wide enough for the table when output is not a terminal (logs, README captures)."""
+    return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 180)))
+
+
+def _k_range(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        parts = [int(p) for p in text.replace("-", ",").split(",") if p.strip()]
+    except ValueError:
+        raise UserError(f"--k {text!r}: use LOW-HIGH (e.g. 1-8) or a single number") from None
+    return parts * 2 if len(parts) == 1 else parts
+
+
+def _split(text: str | None) -> list[str] | None:
+    return None if text is None else [p.strip() for p in text.split(",") if p.strip()]
+
+
+def report(summary: StudySummary, console: Console, csv: str | None, png: str | None, json_out: str | None) -> None:
+    console.print(rich_table(summary))
+    for line in footer_lines(summary):
+        console.print(f"[dim]{line}[/]")
+    for path, writer in ((csv, write_csv), (png, write_png), (json_out, write_json)):
+        if path:
+            console.print(f"wrote {writer(summary, path)}")
+
+
+@app.command()
+def search(
+    space: str = typer.Option(None, "--space", help="Search-space YAML: a path or a name in studies/spaces/ (default: default)."),
+    model: str = typer.Option(None, help="Override the space's model."),
+    backends: str = typer.Option(None, help="Comma list: native,vllm."),
+    weights: str = typer.Option(None, help="Comma list of weight schemes, e.g. none,w8ch-sym,w4g32-asym."),
+    methods: str = typer.Option(None, help="Comma list of weight methods, e.g. rtn,gptq."),
+    activations: str = typer.Option(None, help="Comma list of activation schemes, e.g. none,a8tok-dyn."),
+    kv: str = typer.Option(None, help="Comma list of KV-cache formats, e.g. none,int8."),
+    proposers: str = typer.Option(None, help="Comma list of proposer specs, e.g. none,ngram."),
+    k: str = typer.Option(None, "--k", help="Speculated tokens range LOW-HIGH, e.g. 1-8."),
+    floor: float = typer.Option(None, help="Quality floor (the evaluator's statistic must reach it)."),
+    mode: str = typer.Option(None, help="constrained (max tok/s s.t. floor) or pareto (speed and quality)."),
+    sampler: str = typer.Option("tpe", help="tpe, nsga2 or random."),
+    seed: int = typer.Option(0, help="Sampler seed."),
+    n_trials: int = typer.Option(20, "--n-trials", help="Study-wide number of finished trials to reach."),
+    timeout: float = typer.Option(None, help="Stop starting new trials after this many seconds."),
+    storage: str = typer.Option(None, help="Optuna storage URL (sqlite:///, postgresql://, mysql://, journal:///FILE.log); "
+                                           "default SQLite in the study dir."),
+    study_name: str = typer.Option(None, "--study-name", help="Study to create (--create), join or resume."),
+    study_dir: Path = typer.Option(DEFAULT_STUDY_DIR, "--study-dir", help="Folder for the default SQLite storage."),
+    create: bool = typer.Option(False, "--create", help="Create --study-name if it does not exist."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a study; trials of dead workers are failed and re-queued."),
+    evaluator: str = typer.Option("real", help="Trial evaluator (registry name)."),
+    exact_fraction: float = typer.Option(0.25, "--exact-fraction", help="Share of speculative trials whose greedy "
+                                                                         "outputs are checked against no speculation."),
+    data_dir: str = DataDirOption,
+    limit: int = typer.Option(None, help="Eval items per task (evaluator default when unset)."),
+    csv: str = typer.Option(None, help="Also write the table as CSV."),
+    png: str = typer.Option(None, help="Also write the Pareto plot."),
+    json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
+):
+    """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
+    overrides = {"model": model, "backends": _split(backends), "weights": _split(weights), "methods": _split(methods),
+                 "activations": _split(activations), "kv": _split(kv), "proposers": _split(proposers), "k": _k_range(k)}
+    given = space is not None or any(v is not None for v in overrides.values())
+    settings = SearchSettings(
+        space=load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,
+        mode=mode, sampler=sampler, seed=seed, study_name=study_name, storage=storage, study_dir=study_dir,
+        create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout)
+    console = _console()
+    trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit)
+    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=False) as bar:
+        task = bar.add_task("starting", total=n_trials)
+
+        def on_trial(study, trial):
+            attrs = trial.user_attrs
+            what = attrs.get("pruned_reason") or attrs.get("error") or \
+                (f"{attrs['speed']['tok_s']:.1f} tok/s" if "speed" in attrs else "")
+            bar.update(task, completed=len(finished_trials(study)),
+                       description=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
+
+        outcome = run_search(settings, trial_evaluator, on_trial=on_trial)
+        bar.update(task, completed=len(finished_trials(outcome.study)))
+    if outcome.recovered:
+        console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
+    console.print(f"study {outcome.study.study_name!r} in {storage_url(storage, study_dir)}; this worker ran "
+                  f"{outcome.ran} trial(s)")
+    report(summarize(outcome.study), console, csv, png, json_out)
+
+
+@app.command()
+def pareto(
+    storage: str = typer.Option(None, help="Optuna storage URL (default: SQLite in --study-dir)."),
+    study_name: str = typer.Option(None, "--study-name", help="Study (optional when the storage holds one)."),
+    study_dir: Path = typer.Option(DEFAULT_STUDY_DIR, "--study-dir", help="Folder of the default SQLite storage."),
+    csv: str = typer.Option(None, help="Write the table as CSV."),
+    png: str = typer.Option(None, help="Write the Pareto plot (PNG)."),
+    json_out: str = typer.Option(None, "--json", help="Write the table as JSON."),
+):
+    """The speed/quality table of a study, sorted by speed, Pareto-optimal rows marked."""
+    if storage is None and not (study_dir / "study.db").exists():
+        raise UserError(f"no study storage at {study_dir / 'study.db'}: pass --storage URL or run `quantspec search`")
+    report(load_summary(storage_url(storage, study_dir), study_name), _console(), csv, png, json_out)

@@ -1,0 +1,259 @@
+"""``quantspec accept`` (acceptance and speed vs K) and ``quantspec check-lossless``."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from evals.data import load_prompts
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from quant.errors import UserError
+from quant.loading import LoadedModel, load_model
+from quant.model_store import SMOLLM2, is_default_model, weights_hash
+from specdec.generate import encode_prompt
+from specdec.lossless import first_step_test, greedy_mismatches, synthetic_test
+from specdec.proposers import build_proposer
+from specdec.sampling import SamplingConfig
+from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
+from specdec.sweep import SweepResult, run_sweep
+from specdec.theory import best_k
+from studies.app import DataDirOption, app
+
+console = Console(width=max(Console().width, 120))
+
+METRICS = {
+    "alpha": "accepted draft tokens / drafted tokens (vLLM draft acceptance rate)",
+    "tau": "1 + accepted / drafts, a draft = a verification step carrying >= 1 draft token (vLLM mean "
+           "acceptance length, Spec-Bench)",
+    "acceptance_per_pos": "drafts whose first i+1 tokens were accepted / drafts (vLLM per-position rate)",
+    "tok_s": "decode tok/s = (new tokens - 1) / decode seconds, summed over requests, prefill excluded",
+    "speedup": "speculative tok/s / plain-decoding tok/s, same target, prompts, sampling and length",
+    "c": "proposer seconds per drafted token / plain decode seconds per token",
+    "verify_cost": "target forward over K+1 tokens / one decode step (median of 5, after the first prompt)",
+    "predicted_speedup": "Leviathan et al. Thm 3.8: (1-a^(K+1)) / ((1-a)(Kc+1))",
+    "refined_speedup": "expected tokens per step over the measured mix of draft lengths / (drafted tokens per "
+                       "step * c + measured verify cost of each length)",
+}
+
+
+def parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--k must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not ks:
+        raise UserError("--k needs at least one value, e.g. --k 1,2,4,8")
+    return [check_k(k) for k in ks]
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def prompt_ids(lm: LoadedModel, source: str, limit: int, data_dir) -> list[list[int]]:
+    return [encode_prompt(lm.tokenizer, text) for text in load_prompts(source, data_dir, limit)]
+
+
+def model_condition(target: str, lm: LoadedModel) -> ModelCondition:
+    return ModelCondition(target, weights_hash(lm.path), lm.precision,
+                          note=SMOLLM2.note if is_default_model(lm.path) else "")
+
+
+def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: SamplingConfig, source: str,
+                 prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult) -> RunRecord:
+    lengths = [len(p) for p in prompts]
+    return RunRecord(
+        name="specdec-accept",
+        model=model_condition(target, lm),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(len(prompts), {"mean": sum(lengths) / len(lengths), "min": min(lengths),
+                                                  "max": max(lengths)}, {"fixed": max_new_tokens}, source, True),
+        arrival=ArrivalProcess("batch-1 sequential", 1),
+        engine=EngineCondition("native", {"dtype": lm.precision, "threads": torch.get_num_threads(),
+                                          "proposer": proposer, "sampling": vars(sampling)},
+                               warmup="one 8-token request per engine (plain and each K), excluded",
+                               cache_warmth="KV caches reset per request; weights resident in RAM"),
+        metric=MetricCondition(METRICS, "greedy rows: tokens compared with plain greedy decoding "
+                                        "(greedy_equal = identical requests); ignore_eos, fixed output length"),
+        results={"proposer": proposer, "baseline": sweep.baseline, "rows": sweep.rows,
+                 "verify_cost_curve": sweep.verify_cost, "best_k_measured": sweep.best_k,
+                 "best_k_theory": best_k(sweep.rows[-1]["alpha"], sweep.rows[-1]["c"],
+                                         lambda k: sweep.verify_cost[min(k, len(sweep.verify_cost) - 1)],
+                                         k_max=len(sweep.verify_cost) - 1)},
+    )
+
+
+def print_sweep(record: RunRecord) -> None:
+    res = record.results
+    base = res["baseline"]
+    table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
+                        f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
+                        f"x {record.lengths.output_tokens['fixed']} tokens; plain {base['tok_s']:.1f} tok/s")
+    cols = ["K", "α", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
+    greedy = "greedy_equal" in res["rows"][0]
+    for col in cols + (["=greedy"] if greedy else []):
+        table.add_column(col, justify="right")
+    for r in res["rows"]:
+        cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['tau']:.2f}",
+                 " ".join(f"{a:.2f}"[1:] for a in r["acceptance_per_pos"]), f"{r['tok_s']:.1f}",
+                 f"{r['speedup']:.2f}", f"{r['predicted_speedup']:.2f}", f"{r['refined_speedup']:.2f}",
+                 f"{r['c']:.3f}", f"{r['verify_cost']:.2f}"]
+        if greedy:
+            cells.append(f"{r['greedy_equal']}/{record.lengths.n_requests}")
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"recommended K: {res['best_k_measured']} (best measured speedup); theory with the largest K's "
+                  f"α and c and the measured verify costs: K={res['best_k_theory']}")
+    if record.model.note:
+        console.print(f"[yellow]note:[/] {record.model.note}")
+
+
+def plot_sweep(record: RunRecord, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record.results["rows"]
+    ks = [r["k"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(ks, [r["alpha"] for r in rows], "o-", label="α")
+    ax1.plot(ks, [r["tau"] for r in rows], "s-", label="τ")
+    ax1.set_xlabel("K")
+    ax1.legend()
+    ax1.set_title("acceptance")
+    ax2.plot(ks, [r["speedup"] for r in rows], "o-", label="measured")
+    ax2.plot(ks, [r["predicted_speedup"] for r in rows], "--", label="Thm 3.8")
+    ax2.plot(ks, [r["refined_speedup"] for r in rows], ":", label="refined")
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    ax2.set_xlabel("K")
+    ax2.set_title("speedup over plain decoding")
+    ax2.legend()
+    fig.suptitle(f"{record.results['proposer']} on {record.model.model_id}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def measure_acceptance(target: str, draft: str, ks: list[int], prompts_source: str, limit: int | None,
+                       max_new_tokens: int, sampling: SamplingConfig, dtype: str, data_dir=None,
+                       threads: int | None = None) -> RunRecord:
+    """Python API behind ``quantspec accept``: a RunRecord with one row per K."""
+    lm = load_model(target, dtype, threads)
+    proposer = build_proposer(draft, lm)
+    prompts = prompt_ids(lm, prompts_source, limit, data_dir)
+    with progress_bar() as bar:
+        task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1))
+        sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling,
+                          lambda what: bar.update(task, advance=1, description=what))
+    return sweep_record(target, lm, proposer.label, sampling, prompts_source, prompts, max_new_tokens, sweep)
+
+
+@app.command()
+def accept(
+    target: str = typer.Option("default", "--target", "-m", help="Target model: `default` or a local HF dir."),
+    draft: str = typer.Option(..., "--draft", help="Proposer: ngram:min=2,max=4 | draft:PATH[@SCHEME] | "
+                                                   "layerskip:L | selfquant:SCHEME."),
+    k: str = typer.Option("1,2,4,8", "--k", help="Draft lengths to sweep, comma-separated (1..32)."),
+    prompts: str = typer.Option("spec_bench", help="spec_bench | mt_bench | PATH.jsonl"),
+    limit: int = typer.Option(8, help="Number of prompts."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Fixed output length (ignore_eos)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("bf16", help="fp32 or bf16 (target and draft)."),
+    threads: int = typer.Option(None),
+    json_out: str = typer.Option(None, "--json", help="Write the RunRecord here."),
+    plot: str = typer.Option(None, "--plot", help="Write a PNG of α and speedup vs K."),
+    data_dir: str = DataDirOption,
+):
+    """Acceptance (α, τ, per position) and speedup vs K, beside Leviathan's prediction."""
+    sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    record = measure_acceptance(target, draft, parse_ks(k), prompts, limit, max_new_tokens, sampling, dtype,
+                                data_dir, threads)
+    print_sweep(record)
+    if json_out:
+        console.print(f"run record: {record.write(json_out)}")
+    if plot:
+        plot_sweep(record, plot)
+        console.print(f"plot: {plot}")
+
+
+@app.command("check-lossless")
+def check_lossless(
+    target: str = typer.Option("default", "--target", "-m"),
+    draft: str = typer.Option(..., "--draft", help="Proposer spec, as for `accept`."),
+    k: int = typer.Option(4, "--k"),
+    prompts: str = typer.Option("spec_bench"),
+    limit: int = typer.Option(4, help="Prompts for the greedy equality check."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
+    samples: int = typer.Option(400, help="Independent first-step samples per prefix for the distribution test."),
+    prefixes: int = typer.Option(2, help="Prefixes (the first prompts) for the distribution test."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature of the distribution test."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("fp32"),
+    min_p_value: float = typer.Option(1e-3, help="A chi-square p-value below this fails the check."),
+    json_out: str = typer.Option(None, "--json"),
+    data_dir: str = DataDirOption,
+):
+    """Greedy token equality with plain decoding + chi-square/TV of sampled first steps; exit 1 on failure."""
+    sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    check_k(k)
+    lm = load_model(target, dtype)
+    ids = prompt_ids(lm, prompts, max(limit, prefixes), data_dir)
+    max_len = max(len(p) for p in ids) + max_new_tokens + MAX_K + 1
+    spec = SpeculativeDecoder(lm, draft, k, SamplingConfig(), max_len)
+    with progress_bar() as bar:
+        task = bar.add_task("greedy equality", total=limit + prefixes * samples)
+        tick = lambda: bar.update(task, advance=1)  # noqa: E731
+        mismatches = greedy_mismatches(spec, ids[:limit], max_new_tokens, tick)
+        bar.update(task, description="first-step distribution")
+        spec.sampling = sampling
+        model_tests = [first_step_test(spec, p, samples, tick) for p in ids[:prefixes]]
+    synthetic = {"sampled q": synthetic_test(one_hot=False, seed=seed), "one-hot q": synthetic_test(one_hot=True, seed=seed)}
+    table = Table(title=f"check-lossless {spec.proposer.label}, K={k}, {lm.precision}")
+    for col in ("check", "result", "detail"):
+        table.add_column(col)
+    failed = bool(mismatches)
+    table.add_row("greedy == plain greedy", "FAIL" if mismatches else "ok",
+                  f"{limit - len(mismatches)}/{limit} prompts token-exact over {max_new_tokens} tokens"
+                  + (f"; first: {mismatches[0]}" if mismatches else ""))
+    tests = [(f"prefix {i} ({samples} samples, T={temperature})", t) for i, t in enumerate(model_tests)]
+    tests += [(f"synthetic V=12, {name} ({t.samples} samples)", t) for name, (t, _, _) in synthetic.items()]
+    for name, t in tests:
+        bad = t.p_value < min_p_value
+        failed |= bad
+        table.add_row(name, "FAIL" if bad else "ok",
+                      f"chi2 {t.chi2:.1f} (dof {t.dof}), p={t.p_value:.3g}, TV {t.tv:.3f} (exact-sampler TV {t.tv_noise:.3f})")
+    for name, (_, measured, expected) in synthetic.items():
+        table.add_row(f"synthetic {name}: first-token acceptance", "info", f"{measured:.3f} vs Σmin(p,q) = {expected:.3f}")
+    console.print(table)
+    if json_out:
+        RunRecord(
+            name="specdec-check-lossless", model=model_condition(target, lm), hardware=hardware_info(),
+            lengths=LengthDistribution(limit, {"prompts": [len(p) for p in ids]}, {"fixed": max_new_tokens}, prompts, True),
+            arrival=ArrivalProcess("batch-1 sequential", 1),
+            engine=EngineCondition("native", {"dtype": lm.precision, "proposer": spec.proposer.label, "k": k,
+                                              "sampling": vars(sampling)}),
+            metric=MetricCondition({"p_value": "scipy chisquare, bins with < 5 expected samples merged",
+                                    "tv": "0.5 * sum |empirical - target p|"},
+                                   f"greedy token-exact; every chi-square p-value >= {min_p_value}"),
+            results={"passed": not failed, "greedy_mismatches": mismatches,
+                     "first_step": [t.to_dict() for t in model_tests],
+                     "synthetic": {n: {**t.to_dict(), "first_acceptance": a, "expected_acceptance": e}
+                                   for n, (t, a, e) in synthetic.items()}},
+        ).write(json_out)
+    if failed:
+        console.print("[red]lossless check FAILED[/]")
+        sys.exit(1)
+    console.print("[green]lossless check passed[/]")

@@ -1,0 +1,127 @@
+"""What a search trial measures, behind a small interface: ``TrialEvaluator.quality/speed/greedy_tokens``.
+
+Evaluators register by name (``real`` is the default and the only one shipped); tests register cheap ones.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+from quant.errors import UserError
+from studies.space import SearchSpace, TrialConfig
+
+
+@dataclass
+class QualityResult:
+    """Quality of one model transformation against the reference model, with the floor verdict."""
+
+    value: float  # the statistic the floor is compared with (constraint: floor - value <= 0)
+    passes: bool  # the statistical verdict of the quality API
+    accuracy: float | None = None
+    reference_accuracy: float | None = None
+    delta: float | None = None  # accuracy - reference accuracy
+    ci: tuple[float, float] | None = None  # CI of delta
+    flips: int | None = None  # items whose correctness changed vs the reference
+    kl: float | None = None  # mean token KL vs the reference
+    perplexity: float | None = None
+    record: dict | None = None  # the RunRecord that produced the numbers
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ci"] = list(self.ci) if self.ci else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QualityResult":
+        d = dict(d)
+        d["ci"] = tuple(d["ci"]) if d.get("ci") else None
+        return cls(**d)
+
+
+@dataclass
+class SpeedResult:
+    tok_s: float  # effective output tokens per second
+    alpha: float | None = None  # proposer acceptance rate (speculative configs)
+    tau: float | None = None  # mean tokens emitted per target forward
+    record: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TrialEvaluator(Protocol):
+    """Measures a ``TrialConfig``; the search caches ``quality`` per ``config.quality_key``."""
+
+    floor_range: tuple[float, float]  # valid --floor values, checked before a search starts
+
+    def prepare(self, space: SearchSpace, floor: float) -> None:
+        """Check the environment (data, model, floor) once before the first trial; raise UserError."""
+
+    def quality(self, config: TrialConfig) -> QualityResult: ...
+
+    def speed(self, config: TrialConfig) -> SpeedResult: ...
+
+    def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
+        """Greedy output tokens on the evaluator's fixed prompts (checks that speculation leaves outputs unchanged)."""
+
+
+EVALUATORS: dict[str, Callable[..., TrialEvaluator]] = {}
+
+
+def register_evaluator(name: str):
+    def wrap(factory):
+        EVALUATORS[name] = factory
+        return factory
+    return wrap
+
+
+def get_evaluator(name: str, **settings) -> TrialEvaluator:
+    try:
+        factory = EVALUATORS[name]
+    except KeyError:
+        raise UserError(f"unknown evaluator {name!r}: use one of {', '.join(EVALUATORS)}") from None
+    return factory(**settings)
+
+
+@register_evaluator("real")
+class RealEvaluator:
+    """The shipped evaluator. Speed: ``evals.bench_api.run_benchmark`` at batch 1 (closed loop, concurrency 1),
+    greedy, fixed output length on the first ``num_prompts`` Spec-Bench prompts, one engine per trial (its start
+    is timed separately and excluded from tok/s). Quality: ``evals`` quality API (see ``quality``)."""
+
+    def __init__(self, data_dir: str | None = None, limit: int | None = None, workload: str = "spec_bench",
+                 num_prompts: int = 4, output_len: int = 64, **_):
+        self.data_dir, self.limit = data_dir, limit
+        self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
+        self._tokens: dict[TrialConfig, list[list[int]]] = {}
+
+    def speed(self, config: TrialConfig) -> SpeedResult:
+        import time
+
+        from evals.backends import open_backend
+        from evals.bench_api import run_benchmark
+        from evals.loadgen import LoadSpec
+        from studies.space import serving_config
+
+        serving = serving_config(config)
+        t0 = time.perf_counter()
+        backend = open_backend(serving)
+        t1 = time.perf_counter()
+        try:
+            result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
+                                   num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+        finally:
+            backend.close()
+        t2 = time.perf_counter()
+        if result.failed:
+            raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
+        self._tokens[config] = [r.token_ids for r in result.results]
+        return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=result.record.to_dict(),
+                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1})
+
+    def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
+        """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""
+        if config not in self._tokens:
+            self.speed(config)
+        return self._tokens[config]

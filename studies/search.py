@@ -1,0 +1,232 @@
+"""Optuna search: maximise effective tokens/s subject to quality >= floor, or the (speed, quality) Pareto front.
+
+One trial = one ``TrialConfig`` sampled from the space. Points no backend can run are pruned with the reason
+as user attr ``pruned_reason``. Quality is measured once per model transformation (``config.quality_key``)
+and shared through the study's user attrs, because exact verification makes speculative settings leave
+outputs unchanged; a sampled fraction of speculative trials re-checks that claim on greedy outputs
+(user attr ``exact_check``). The floor is a constraint set with ``Trial.set_constraint`` (Optuna 5's
+replacement for the deprecated ``constraints_func``; TPE and NSGA-II both read it): floor - quality <= 0.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from quant.errors import UserError
+from studies.objective import QualityResult, SpeedResult, TrialEvaluator
+from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
+from studies.storage import WORKER_ATTR, open_storage, recover_stale_trials, storage_url, worker_id
+
+DEFAULT_STUDY_DIR = Path("runs/search")
+DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
+CONSTRAINT = "quality_floor"
+QUALITY_ATTR = "quality/"  # study user attr prefix, one entry per quality key
+
+SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler]] = {
+    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed, population_size=10),
+    "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+}
+
+
+@dataclass
+class SearchSettings:
+    space: SearchSpace | None = None  # None: the stored space of an existing study
+    floor: float | None = None  # None: the stored floor (or the evaluator's default for a new study)
+    n_trials: int = 20  # study-wide target of finished trials (complete, pruned, or failed with an error)
+    mode: str | None = None  # constrained | pareto
+    sampler: str = "tpe"
+    seed: int = 0
+    study_name: str | None = None
+    storage: str | None = None
+    study_dir: Path = DEFAULT_STUDY_DIR
+    create: bool = False
+    resume: bool = False
+    exact_fraction: float = 0.25  # share of speculative trials whose greedy outputs are re-checked
+    timeout_s: float | None = None
+
+    def __post_init__(self):
+        if self.n_trials < 1:
+            raise UserError(f"--n-trials must be >= 1, got {self.n_trials}")
+        if self.mode is not None and self.mode not in DIRECTIONS:
+            raise UserError(f"unknown mode {self.mode!r}: use {', '.join(DIRECTIONS)}")
+        if self.sampler not in SAMPLERS:
+            raise UserError(f"unknown sampler {self.sampler!r}: use {', '.join(SAMPLERS)}")
+        if not 0.0 <= self.exact_fraction <= 1.0:
+            raise UserError(f"--exact-fraction must be in [0, 1], got {self.exact_fraction}")
+
+
+def _study_names(storage) -> list[str]:
+    return optuna.get_all_study_names(storage)
+
+
+def open_study(settings: SearchSettings, default_floor: float | None = None) -> optuna.Study:
+    """Create or load the study; its floor, mode and space are stored as study user attrs on creation."""
+    storage = open_storage(storage_url(settings.storage, settings.study_dir))
+    names = _study_names(storage)
+    name = settings.study_name
+    if name is None:
+        if settings.resume:
+            if len(names) != 1:
+                raise UserError(f"--resume needs --study-name: the storage holds {len(names)} studies "
+                                f"({', '.join(names) or 'none'})")
+            name = names[0]
+        else:
+            name, settings.create = time.strftime("search-%Y%m%d-%H%M%S"), True
+    sampler = SAMPLERS[settings.sampler](settings.seed)
+    if name in names:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        _check_stored(study, settings)
+        return study
+    if not settings.create:
+        raise UserError(f"study {name!r} does not exist in this storage (has: {', '.join(names) or 'none'}); "
+                        "pass --create to start it")
+    if settings.resume:
+        raise UserError(f"--resume: study {name!r} does not exist yet; drop --resume (and pass --create) to start it")
+    space = settings.space or load_space("default")
+    floor = settings.floor if settings.floor is not None else default_floor
+    if floor is None:
+        raise UserError("a new study needs --floor")
+    mode = settings.mode or "constrained"
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
+                                directions=DIRECTIONS[mode])
+    if "floor" not in study.user_attrs:  # first of several workers creating the same study
+        study.set_user_attr("floor", floor)
+        study.set_user_attr("mode", mode)
+        study.set_user_attr("space", space.to_dict())
+        study.set_user_attr("reference", space.reference().to_dict())
+        study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True})
+    _check_stored(study, settings)
+    return study
+
+
+def _check_stored(study: optuna.Study, settings: SearchSettings) -> None:
+    """Fill unset settings from the stored study; refuse ones that contradict it."""
+    stored = {"floor": study.user_attrs.get("floor"), "mode": study.user_attrs.get("mode"),
+              "space": SearchSpace(**study.user_attrs["space"]) if "space" in study.user_attrs else None}
+    for key, value in stored.items():
+        given = getattr(settings, key)
+        if given is not None and value is not None and given != value:
+            shown = "a different space" if key == "space" else f"{key} {value}"
+            raise UserError(f"study {study.study_name!r} was created with {shown}; drop --{key} or start a new "
+                            "study (--study-name NEW --create)")
+        setattr(settings, key, value)
+
+
+def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Trials that count towards --n-trials: complete, pruned, or failed by their own error (not by a dead worker)."""
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
+
+
+class TrialRunner:
+    """The Optuna objective: suggest, validate, measure (quality cached), record."""
+
+    def __init__(self, study: optuna.Study, settings: SearchSettings, evaluator: TrialEvaluator):
+        self.study, self.settings, self.evaluator = study, settings, evaluator
+        self.space, self.floor = settings.space, settings.floor
+        self._reference_tokens: dict[str, list[list[int]]] = {}
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        trial.set_user_attr(WORKER_ATTR, worker_id())
+        config = self.space.suggest(trial)
+        trial.set_user_attr("config", config.to_dict())
+        trial.set_user_attr("label", config.label)
+        reason = invalid_reason(config)
+        if reason:
+            self._prune(trial, reason)
+        try:
+            quality, speed = self._measure(trial, config)
+        except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
+            self._prune(trial, str(exc))
+        except Exception as exc:
+            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        trial.set_user_attr("quality", quality.to_dict() | {"record": None})
+        trial.set_user_attr("speed", speed.to_dict() | {"record": None})
+        trial.set_user_attr("record", speed.record)
+        trial.set_constraint(CONSTRAINT, self.floor - quality.value)
+        return speed.tok_s if self.settings.mode == "constrained" else (speed.tok_s, quality.value)
+
+    @staticmethod
+    def _prune(trial: optuna.Trial, reason: str):
+        trial.set_user_attr("pruned_reason", reason)
+        raise optuna.TrialPruned(reason)
+
+    def _measure(self, trial: optuna.Trial, config: TrialConfig) -> tuple[QualityResult, SpeedResult]:
+        duplicate = self._finished_duplicate(config)
+        if duplicate is not None:  # same point already measured in this study: reuse, do not re-measure
+            trial.set_user_attr("duplicate_of", duplicate.number)
+            return (QualityResult.from_dict(duplicate.user_attrs["quality"]),
+                    SpeedResult(**duplicate.user_attrs["speed"] | {"record": duplicate.user_attrs.get("record")}))
+        speed = self.evaluator.speed(config)  # first: a point the engine refuses fails fast, before quality
+        quality = self.quality(config)
+        if config.speculative and self._sampled_for_exact_check(trial.number):
+            trial.set_user_attr("exact_check", self.exact_check(config))
+        return quality, speed
+
+    def _finished_duplicate(self, config: TrialConfig):
+        wanted = config.to_dict()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("config") == wanted and "speed" in t.user_attrs:
+                return t
+        return None
+
+    def quality(self, config: TrialConfig) -> QualityResult:
+        """Quality of the config's model transformation, measured once per study and shared by all workers."""
+        key = QUALITY_ATTR + config.quality_key
+        cached = self.study.user_attrs.get(key)
+        if cached is not None:
+            return QualityResult.from_dict(cached)
+        result = self.evaluator.quality(config.transformation)
+        self.study.set_user_attr(key, result.to_dict())
+        return result
+
+    def _sampled_for_exact_check(self, number: int) -> bool:
+        return random.Random(self.settings.seed * 1_000_003 + number).random() < self.settings.exact_fraction
+
+    def exact_check(self, config: TrialConfig) -> dict:
+        """Greedy outputs of the speculative config vs the same transformation without speculation."""
+        base = config.transformation
+        if base.quality_key not in self._reference_tokens:
+            self._reference_tokens[base.quality_key] = self.evaluator.greedy_tokens(base)
+        ref = self._reference_tokens[base.quality_key]
+        got = self.evaluator.greedy_tokens(config)
+        equal = [a == b for a, b in zip(ref, got)]
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                      for a, b in zip(ref, got)]
+        return {"n_prompts": len(ref), "equal": all(equal), "equal_per_prompt": equal,
+                "first_divergence": [d if not e else None for d, e in zip(first_diff, equal)],
+                "tokens_per_prompt": [len(a) for a in ref]}
+
+
+@dataclass
+class SearchOutcome:
+    study: optuna.Study
+    recovered: list[int] = field(default_factory=list)  # trials failed + re-queued because their worker died
+    ran: int = 0  # trials this worker ran
+
+
+def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=None) -> SearchOutcome:
+    """Run (or resume, or join) a study until it holds ``n_trials`` finished trials."""
+    lo, hi = evaluator.floor_range
+    if settings.floor is not None and not lo <= settings.floor <= hi:
+        raise UserError(f"--floor {settings.floor} is outside its range [{lo}, {hi}]")
+    study = open_study(settings, getattr(evaluator, "default_floor", None))
+    evaluator.prepare(settings.space, settings.floor)
+    outcome = SearchOutcome(study, recover_stale_trials(study))
+    runner = TrialRunner(study, settings, evaluator)
+    deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    callbacks = [on_trial] if on_trial is not None else []
+    while len(finished_trials(study)) < settings.n_trials and (deadline is None or time.monotonic() < deadline):
+        study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
+        outcome.ran += 1
+    return outcome

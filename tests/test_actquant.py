@@ -1,0 +1,144 @@
+"""Activation quantization: quantizer formulas, observers, the int8 x int8 kernel, SmoothQuant, W8A8 builds."""
+import json
+
+import pytest
+import torch
+
+from quant.actquant import (calibrate_input_scales, check_scale, make_observer, quantize_activation,
+                            quantize_per_token)
+from quant.calibration import CalibConfig
+from quant.errors import UserError
+from quant.loading import load_model
+from quant.methods.rtn import RTN
+from quant.qlinear import QuantizedLinear
+from quant.scheme import ActSpec, parse_scheme
+from quant.smoothquant import apply_smoothquant, smoothing_scale
+from quant.w8a8 import Int8xInt8Kernel, quantize_w8a8
+
+
+def test_dynamic_per_token_matches_formula():
+    torch.manual_seed(0)
+    x = torch.randn(7, 96) * torch.linspace(0.1, 5, 7)[:, None]
+    q, s = quantize_per_token(x)
+    assert q.dtype == torch.int8 and s.shape == (7, 1)
+    assert torch.equal(s, x.abs().amax(-1, keepdim=True) / 127)
+    assert torch.equal(q, torch.round(x / s).to(torch.int8))
+    assert (q.abs().amax(-1) == 127).all()  # each row's largest value hits the top code
+    assert ((q.float() * s - x).abs() <= s / 2 + 1e-7).all()
+
+
+def test_static_needs_scale_and_dynamic_needs_tokens():
+    x = torch.randn(3, 8)
+    with pytest.raises(UserError, match="calibration"):
+        quantize_activation(x, ActSpec(8, "tensor", False))
+    with pytest.raises(UserError, match="per-token"):
+        quantize_activation(x, ActSpec(8, "tensor", True))
+    q, s = quantize_activation(x, ActSpec(8, "tensor", False), torch.tensor(0.01))
+    assert torch.equal(q, torch.clamp(torch.round(x / 0.01), -127, 127).to(torch.int8))
+
+
+def test_observers_minmax_percentile_mse():
+    torch.manual_seed(0)
+    x = torch.randn(20000, 1)
+    x[5] = 40.0  # one outlier
+    obs = {name: make_observer(name) for name in ("minmax", "percentile", "mse")}
+    for chunk in x.split(5000):
+        for o in obs.values():
+            o.observe(chunk)
+    r = {name: o.range().item() for name, o in obs.items()}
+    assert r["minmax"] == 40.0
+    assert r["percentile"] <= r["minmax"] and r["percentile"] < 10
+    assert r["mse"] < r["minmax"]
+
+    def int8_error(rng):
+        s = rng / 127
+        return ((torch.clamp(torch.round(x / s), -127, 127) * s - x) ** 2).sum().item()
+
+    assert int8_error(r["mse"]) <= int8_error(r["minmax"])
+
+
+def test_observer_refusals():
+    with pytest.raises(UserError, match="zero calibration samples"):
+        make_observer("minmax").range()
+    with pytest.raises(UserError, match="unknown observer"):
+        make_observer("histogram")
+    with pytest.raises(UserError, match="NaN"):
+        make_observer("minmax").observe(torch.tensor([[float("nan")]]))
+    with pytest.raises(UserError, match="zero or non-finite"):
+        check_scale(torch.tensor([0.0]), "x")
+    with pytest.raises(UserError, match="zero or non-finite"):
+        check_scale(torch.tensor([float("inf")]), "x")
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int_mm_kernel_is_integer_exact(m):
+    torch.manual_seed(m)
+    spec = parse_scheme("W8A8")
+    w, x = torch.randn(48, 96), torch.randn(m, 96) * 3
+    result = RTN().quantize_weight(w, spec.weights)
+    layer = QuantizedLinear.from_result(result, spec.weights, 96, None, spec.activations)
+    assert isinstance(layer.kernel, Int8xInt8Kernel) and not layer.simulated
+    xq, xs = quantize_per_token(x)
+    acc = torch._int_mm(xq, result.q.t())
+    assert acc.dtype == torch.int32 and torch.equal(acc.long(), xq.long() @ result.q.long().T)
+    expected = acc.float() * xs * result.scale.reshape(-1).float()
+    assert torch.equal(layer(x), expected)
+
+
+def test_smoothing_scale_formula():
+    act, w = torch.tensor([4.0, 1.0, 0.0]), torch.tensor([[1.0, 4.0, 2.0], [0.5, 1.0, 1.0]])
+    s = smoothing_scale(act, [w], 0.5)
+    assert torch.allclose(s, torch.tensor([2.0, 0.5, 1.0]))
+
+
+@pytest.fixture()
+def tiny(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture()
+def calib(tmp_path):
+    path = tmp_path / "calib.jsonl"
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    path.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
+    return CalibConfig(source=str(path), samples=4, seqlen=48)
+
+
+def logits_of(lm, tokens):
+    lm.model.setup_cache(1, tokens.shape[1])
+    return lm.model(tokens, torch.arange(tokens.shape[1]))
+
+
+def test_smoothquant_preserves_fp_outputs_and_flattens_activations(tiny, calib):
+    from quant.calibration import calibration_batches
+
+    tokens = torch.randint(3, 128, (1, 40))
+    tiny.model.layers[0].input_layernorm.weight.data[5] *= 30  # an outlier channel
+    before = logits_of(tiny, tokens)
+    batches = calibration_batches(calib, tiny)
+    names = ["layers.0.self_attn.q_proj"]
+    spread = lambda: calibrate_input_scales(tiny.model, [torch.tensor([b]) for b in batches], names)  # noqa: E731
+    absmax_before = spread()[names[0]]
+    info = apply_smoothquant(tiny, 0.5, batches)
+    after = logits_of(tiny, tokens)
+    assert info["groups"] == 4 and torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+    assert spread()[names[0]] < absmax_before  # the outlier channel migrated into the weights
+    with pytest.raises(UserError, match="migration strength"):
+        apply_smoothquant(tiny, 1.5, batches)
+
+
+@pytest.mark.parametrize("label,smooth", [("W8A8", None), ("w8ch-sym_a8t-static", None), ("w8ch-sym_a8t-static", 0.5)])
+def test_quantize_w8a8_tracks_fp(tiny, calib, label, smooth):
+    tokens = torch.randint(3, 128, (1, 40))
+    ref = logits_of(tiny, tokens)
+    report = quantize_w8a8(tiny, label, calib=calib, observer="percentile", smoothquant=smooth, progress=False)
+    assert report.scheme.label == parse_scheme(label).label and report.kernels == {"int8xint8": 7 * 2}
+    layer = tiny.model.layers[1].mlp.down_proj
+    assert layer.act.dynamic == (label == "W8A8") and (layer.kernel.input_scale is None) == (label == "W8A8")
+    got = logits_of(tiny, tokens)
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max() and not torch.equal(got, ref)
+
+
+def test_static_w4a8_refused(tiny, calib):
+    with pytest.raises(UserError, match="int8xint8"):
+        quantize_w8a8(tiny, "w4g32-sym_a8t-static", calib=calib, progress=False)

