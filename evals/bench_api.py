@@ -59,13 +59,16 @@ def _weights_hash(path: Path) -> str:
     return weights_hash(path)
 
 
-def warm_up(backend: Backend) -> str:
-    """Engine warm-up once per backend object, on a prompt no workload uses; later runs find it warm."""
-    if getattr(backend, "warm_runs", 0):
-        return f"engine already warm ({backend.warm_runs} earlier run(s) on this engine in this process)"
+def warm_up(backend: Backend, load_kind: str) -> str:
+    """Engine warm-up once per engine, on a prompt no workload uses; later runs find it warm."""
+    engine = backend.engine_for(load_kind)
+    warm = backend.__dict__.setdefault("warm_runs", {})
+    if warm.get(engine):
+        return f"{engine} already warm ({warm[engine]} earlier run(s) on it in this process)"
     ids = encode_prompt(backend.tokenizer(), WARMUP_PROMPT)
-    what = backend.warm_up([Request(-1, ids, WARMUP_TOKENS), Request(-2, ids, WARMUP_TOKENS)])
-    return f"{what}; prompt {WARMUP_PROMPT!r} is not in the workload"
+    what = backend.warm_up([Request(-1, ids, WARMUP_TOKENS), Request(-2, ids, WARMUP_TOKENS)], load_kind)
+    warm[engine] = 0
+    return f"{engine}: {what}; prompt {WARMUP_PROMPT!r} is not in the workload"
 
 
 def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backend: Backend | None = None,
@@ -77,7 +80,7 @@ def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backe
     try:
         requests, source = build_requests(workload, backend.tokenizer(), num_prompts, output_len, ignore_eos,
                                           data_dir, seed)
-        warmup = warm_up(backend)
+        warmup = warm_up(backend, load.kind)
         try:
             before = backend.spec_counters()
             if load.kind == "closed":
@@ -90,7 +93,7 @@ def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backe
             backend.close()
             return BenchResult(_record(config, backend, workload, load, source, requests, [], warmup, ignore_eos,
                                        {"failed": True, "error": str(exc), "log_tail": exc.log_tail}))
-        backend.warm_runs = getattr(backend, "warm_runs", 0) + 1
+        backend.warm_runs[backend.engine_for(load.kind)] += 1
         summary = summarize(results, slo)
         summary["peak_rss_mib"] = backend.peak_rss_bytes() / 2**20
         if after is not None:

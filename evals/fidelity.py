@@ -1,9 +1,22 @@
-"""Token-level fidelity of a model against a reference on the same tokens: KL, top-1 agreement."""
+"""Token-level fidelity of a model against a reference on the same tokens: KL, top-1 agreement, perplexity.
+
+``wikitext_fidelity`` runs the reference and the test configuration (quantized weights and/or a quantized
+KV cache) over the same WikiText-2 raw test windows (``evals.perplexity``'s convention: non-overlapping
+windows of ``ctx`` tokens, every token after a window's first scored) and reports KL(p_ref || p_test) per
+next-token distribution (mean and p99), top-1 agreement and both perplexities.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
+from rich.progress import track
+
+from evals.data import data_file
+from evals.perplexity import WIKITEXT2_TEST, windows
+from quant.errors import UserError
 
 
 @dataclass
@@ -12,12 +25,51 @@ class FidelityStats:
     p99_kl: float
     top1_agreement: float  # fraction of positions where argmaxes agree
     n_tokens: int
+    ppl_ref: float | None = None  # perplexity of the actual next tokens, same positions
+    ppl_test: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def per_token(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p_ref || p_test) [N] and top-1 agreement [N] for logits [N, V] at the same positions."""
+    ref_logp = torch.log_softmax(ref_logits.float(), -1)
+    test_logp = torch.log_softmax(test_logits.float(), -1)
+    kl = (ref_logp.exp() * (ref_logp - test_logp)).sum(-1).clamp_min(0)
+    return kl, (ref_logits.argmax(-1) == test_logits.argmax(-1)).float()
+
+
+def summarize(kl: torch.Tensor, agree: torch.Tensor, **ppl) -> FidelityStats:
+    return FidelityStats(kl.mean().item(), torch.quantile(kl, 0.99).item(), agree.mean().item(), kl.numel(), **ppl)
 
 
 def token_fidelity(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> FidelityStats:
     """Compare next-token distributions position by position (logits [N, V], same tokens)."""
-    ref_logp = torch.log_softmax(ref_logits.float(), -1)
-    test_logp = torch.log_softmax(test_logits.float(), -1)
-    kl = (ref_logp.exp() * (ref_logp - test_logp)).sum(-1).clamp_min(0)
-    agree = (ref_logits.argmax(-1) == test_logits.argmax(-1)).float()
-    return FidelityStats(kl.mean().item(), torch.quantile(kl, 0.99).item(), agree.mean().item(), kl.numel())
+    return summarize(*per_token(ref_logits, test_logits))
+
+
+@torch.inference_mode()
+def _window_logits(lm, tokens: torch.Tensor, cache_factory) -> torch.Tensor:
+    lm.model.setup_cache(1, tokens.numel(), cache_factory)
+    return lm.model(tokens[None], torch.arange(tokens.numel()))[0]
+
+
+def wikitext_fidelity(ref_lm, test_lm, data_dir=None, ctx: int = 512, max_windows: int = 4,
+                      ref_cache_factory=None, test_cache_factory=None) -> FidelityStats:
+    """KL / agreement / perplexity of ``test_lm`` against ``ref_lm`` on the first WikiText-2 test windows."""
+    if max_windows < 1:
+        raise UserError(f"fidelity windows must be >= 1, got {max_windows}")
+    text = data_file(WIKITEXT2_TEST, data_dir).read_text()
+    ids = torch.tensor(ref_lm.tokenizer.encode(text, add_special_tokens=False))
+    kls, agrees, nll_ref, nll_test = [], [], 0.0, 0.0
+    for w in track(windows(len(ids), ctx)[:max_windows], description="fidelity (KL vs reference)", transient=True):
+        tokens = ids[w.begin : w.end]
+        ref, test = _window_logits(ref_lm, tokens, ref_cache_factory)[:-1], _window_logits(test_lm, tokens, test_cache_factory)[:-1]
+        kl, agree = per_token(ref, test)
+        kls.append(kl)
+        agrees.append(agree)
+        nll_ref += float(F.cross_entropy(ref.float(), tokens[1:], reduction="sum"))
+        nll_test += float(F.cross_entropy(test.float(), tokens[1:], reduction="sum"))
+    kl, agree = torch.cat(kls), torch.cat(agrees)
+    return summarize(kl, agree, ppl_ref=math.exp(nll_ref / kl.numel()), ppl_test=math.exp(nll_test / kl.numel()))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from tqdm import tqdm
+from rich.progress import track
 
 from quant.loading import LoadedModel, load_model
 from specdec.generate import eos_token_ids
@@ -114,7 +114,7 @@ class NativeLM(TemplateLM):
             return []
         scorer = self._scorer(max(len(s) for s in seqs))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for i in tqdm(sorted(range(len(seqs)), key=lambda j: seqs[j]), disable=disable_tqdm, desc="native loglikelihood"):
+        for i in track(sorted(range(len(seqs)), key=lambda j: seqs[j]), "native loglikelihood", disable=disable_tqdm):
             seq, n_cont = seqs[i], len(requests[i][2])
             logits = scorer.logits(seq[:-1], len(seq) - 1 - n_cont)
             logp = F.log_softmax(logits.float(), dim=-1)
@@ -145,7 +145,7 @@ class NativeLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation until a stop string, EOS or ``max_gen_toks`` (lm-eval's gen_kwargs)."""
         outputs = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="native generate"):
+        for req in track(requests, "native generate", disable=disable_tqdm):
             context, gen_kwargs = req.args
             until = gen_kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)

@@ -33,7 +33,8 @@ METRIC_DEFINITIONS = {
     "accepted_per_pos": "drafts whose first i+1 tokens were all accepted / drafts",
     "speedup": "effective tok/s of this config / the same backend without speculation on the same workload and "
                "load, measured in the same run",
-    "peak_rss_mib": "peak resident memory (VmHWM) summed over the engine's processes",
+    "peak_rss_mib": "peak resident memory (VmHWM): native = the whole benchmark process; vLLM = the engine-core "
+                    "and worker processes (+ the vllm serve process tree), not the client",
 }
 
 

@@ -81,6 +81,8 @@ def _compressed_layer(layer: QuantizedLinear, qscheme: QuantizationScheme, compr
              "weight_zero_point": _ct_scale_shape(zero, layer.spec)}
     if layer.bias is not None:
         local["bias"] = layer.bias.detach()
+    if getattr(layer.kernel, "input_scale", None) is not None:  # static W8A8 (quant/w8a8.py)
+        local["input_scale"] = layer.kernel.input_scale
     return compressor.compress(local, qscheme)
 
 
@@ -181,6 +183,7 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transf
     qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]
     layers = {name: _layer_codes(state, name, scheme.weights, qconfig.format) for name in qnames}
     biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
+    input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
 
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
@@ -200,4 +203,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transf
     for name, (q, scale, zero) in layers.items():
         set_submodule(model, name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
                                                    scheme.activations, dtype))
+    if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
+        from quant.w8a8 import set_static_input_scales
+
+        set_static_input_scales(model, scheme.activations, input_scales)
     return model.eval()

@@ -5,7 +5,7 @@ import sys
 
 from quant.errors import UserError
 from studies.app import app
-from studies import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec  # noqa: F401  (register commands)
+from studies import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant  # noqa: F401  (register commands)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -100,6 +100,7 @@ def bench(
     data_dir: str = DataDirOption,
 ):
     """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
+    from evals.backends import backend_class
     from evals.backends.base import ServingConfig, split_k
     from evals.serving_metrics import SLO
 
@@ -109,6 +110,8 @@ def bench(
                            backend=backend,
                            temperature=temperature, max_model_len=max_model_len, port=port)
     configs = [config.without_spec(), config] if config.speculative and baseline else [config]
+    for c in configs:
+        backend_class(c)  # refuse what cannot run before any engine starts
     runs = run_sweep(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
                      SLO(slo_ttft, slo_tpot))
     print_results(f"{backend}: {model} {scheme} kv={kv} | {workload}, {num_prompts} prompts", runs)

@@ -57,7 +57,8 @@ def search(
     kv: str = typer.Option(None, help="Comma list of KV-cache formats, e.g. none,int8."),
     proposers: str = typer.Option(None, help="Comma list of proposer specs, e.g. none,ngram."),
     k: str = typer.Option(None, "--k", help="Speculated tokens range LOW-HIGH, e.g. 1-8."),
-    floor: float = typer.Option(None, help="Quality floor (the evaluator's statistic must reach it)."),
+    floor: str = typer.Option(None, help="Quality floor: 0.98 = 98% of the reference's accuracy at the paired-bootstrap "
+                                         "lower bound, abs:0.40 = absolute accuracy (default 0.98)."),
     mode: str = typer.Option(None, help="constrained (max tok/s s.t. floor) or pareto (speed and quality)."),
     sampler: str = typer.Option("tpe", help="tpe, nsga2 or random."),
     seed: int = typer.Option(0, help="Sampler seed."),
@@ -73,7 +74,10 @@ def search(
     exact_fraction: float = typer.Option(0.25, "--exact-fraction", help="Share of speculative trials whose greedy "
                                                                          "outputs are checked against no speculation."),
     data_dir: str = DataDirOption,
-    limit: int = typer.Option(None, help="Eval items per task (evaluator default when unset)."),
+    tasks: str = typer.Option("arc_easy", help="lm-eval task(s) scoring quality, comma-separated."),
+    limit: int = typer.Option(None, help="Eval items per task (default 200)."),
+    prompts: int = typer.Option(4, help="Spec-Bench prompts per speed run (batch 1, greedy)."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Fixed output length per speed-run prompt (ignore_eos)."),
     csv: str = typer.Option(None, help="Also write the table as CSV."),
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
@@ -87,7 +91,8 @@ def search(
         mode=mode, sampler=sampler, seed=seed, study_name=study_name, storage=storage, study_dir=study_dir,
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout)
     console = _console()
-    trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit)
+    trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
+                                    output_len=new_tokens)
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=False) as bar:
         task = bar.add_task("starting", total=n_trials)

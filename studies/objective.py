@@ -24,6 +24,7 @@ class QualityResult:
     flips: int | None = None  # items whose correctness changed vs the reference
     kl: float | None = None  # mean token KL vs the reference
     perplexity: float | None = None
+    task: str | None = None  # the task that decided the verdict (the worst one when several)
     record: dict | None = None  # the RunRecord that produced the numbers
 
     def to_dict(self) -> dict:
@@ -53,9 +54,12 @@ class SpeedResult:
 class TrialEvaluator(Protocol):
     """Measures a ``TrialConfig``; the search caches ``quality`` per ``config.quality_key``."""
 
-    floor_range: tuple[float, float]  # valid --floor values, checked before a search starts
+    default_floor: str  # the floor of a new study when --floor is not given
 
-    def prepare(self, space: SearchSpace, floor: float) -> None:
+    def floor_value(self, floor: str) -> float:
+        """The number ``QualityResult.value`` is compared with; a floor out of range is a UserError."""
+
+    def prepare(self, space: SearchSpace, floor: str) -> None:
         """Check the environment (data, model, floor) once before the first trial; raise UserError."""
 
     def quality(self, config: TrialConfig) -> QualityResult: ...
@@ -88,13 +92,60 @@ def get_evaluator(name: str, **settings) -> TrialEvaluator:
 class RealEvaluator:
     """The shipped evaluator. Speed: ``evals.bench_api.run_benchmark`` at batch 1 (closed loop, concurrency 1),
     greedy, fixed output length on the first ``num_prompts`` Spec-Bench prompts, one engine per trial (its start
-    is timed separately and excluded from tok/s). Quality: ``evals`` quality API (see ``quality``)."""
+    is timed separately and excluded from tok/s). Quality: ``evals.harness.evaluate`` (lm-eval tasks scored on
+    the native runtime in bf16, as served, against the unquantized bf16 reference on the same items; paired
+    bootstrap floor; WikiText-2 KL). vLLM points reuse the native quality of the same scheme, method and KV.
 
-    def __init__(self, data_dir: str | None = None, limit: int | None = None, workload: str = "spec_bench",
-                 num_prompts: int = 4, output_len: int = 64, **_):
-        self.data_dir, self.limit = data_dir, limit
+    Floors are ``evals.floor.Floor`` texts: ``0.99`` (relative to the reference) or ``abs:0.40``. The quality
+    value is ``floor + lower CI bound of the floor margin`` (divided by the reference accuracy for relative
+    floors; the worst task when several), so ``floor - value <= 0`` exactly when the verdict is pass; for a
+    relative floor it reads as the retained fraction of reference accuracy at the CI's lower end."""
+
+    default_floor = "0.98"
+
+    def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
+                 workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
+                 fidelity_windows: int = 2, floor: str | None = None, **_):
+        self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
+        self.floor = floor
         self._tokens: dict[TrialConfig, list[list[int]]] = {}
+
+    def floor_value(self, floor: str) -> float:
+        from evals.floor import Floor
+
+        return Floor.parse(floor).value
+
+    def prepare(self, space: SearchSpace, floor: str) -> None:
+        from evals.data import find_data_dir
+        from quant.model_store import resolve_model
+
+        self.floor_value(floor)
+        self.floor = floor
+        self.data_dir = str(find_data_dir(self.data_dir))
+        resolve_model(space.model)
+
+    def quality(self, config: TrialConfig) -> QualityResult:
+        from evals.harness import EvalConfig, evaluate
+
+        report = evaluate(EvalConfig(
+            model=config.model, scheme=None if config.scheme == "none" else config.scheme,
+            method=config.method or "rtn", kv=None if config.kv == "none" else config.kv, backend="native",
+            tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir, dtype="bf16",
+            fidelity_windows=self.fidelity_windows, progress=False))
+        floor = self.floor_value(self.floor)
+        relative = not str(self.floor).strip().startswith("abs:")
+
+        def value(c) -> float:
+            return floor + c.margin_ci[0] / (c.acc_ref if relative and c.acc_ref else 1.0)
+
+        task, worst = min(report.comparison.items(), key=lambda kv: value(kv[1]))
+        fid = report.fidelity
+        return QualityResult(
+            value=value(worst), passes=report.passed, accuracy=worst.acc_test, reference_accuracy=worst.acc_ref,
+            delta=worst.delta, ci=tuple(worst.delta_ci), flips=worst.flips.total,
+            kl=fid.mean_kl if fid else (0.0 if config.scheme == "none" and config.kv == "none" else None),
+            perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
 
     def speed(self, config: TrialConfig) -> SpeedResult:
         import time

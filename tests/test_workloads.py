@@ -60,6 +60,7 @@ def test_spec_bench_uses_data_dir(tok):
     assert len(requests) == 4 and source.startswith("spec_bench")
 
 
+@pytest.mark.integration
 def test_chat_template_applied(default_model_dir):
     requests, _ = build_requests("short-short", load_tokenizer(default_model_dir), num_prompts=1)
     tok = load_tokenizer(default_model_dir)

@@ -4,13 +4,19 @@ from evals.backends.base import BACKENDS, Backend, EngineFailure, ServingConfig,
 from quant.errors import UserError
 
 
-def open_backend(config: ServingConfig) -> Backend:
-    """Start the engine for ``config`` (it can then serve several runs)."""
+def backend_class(config: ServingConfig) -> type[Backend]:
+    """The backend class for ``config`` after its cheap checks (nothing is started)."""
     try:
         cls = BACKENDS[config.backend]
     except KeyError:
         raise UserError(f"unknown backend {config.backend!r}: use one of {', '.join(BACKENDS)}") from None
-    return cls(config)
+    cls.check(config)
+    return cls
 
 
-__all__ = ["BACKENDS", "Backend", "EngineFailure", "ServingConfig", "open_backend", "register_backend"]
+def open_backend(config: ServingConfig) -> Backend:
+    """Start the engine for ``config`` (it can then serve several runs)."""
+    return backend_class(config)(config)
+
+
+__all__ = ["BACKENDS", "Backend", "EngineFailure", "ServingConfig", "backend_class", "open_backend", "register_backend"]

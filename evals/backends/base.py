@@ -126,6 +126,10 @@ class Backend:
     def __init__(self, config: ServingConfig):
         self.config = config
 
+    @classmethod
+    def check(cls, config: ServingConfig) -> None:
+        """Refuse a configuration this backend cannot run, cheaply and before any engine starts."""
+
     def tokenizer(self):
         raise NotImplementedError
 
@@ -133,9 +137,16 @@ class Backend:
         """The engine's own settings as passed to it (recorded in RunRecord.engine.config)."""
         raise NotImplementedError
 
-    def warm_up(self, requests: list[Request]) -> str:
-        """Run ``requests`` outside any measured window; return a description for the record."""
-        self.closed_loop(requests, concurrency=1)
+    def engine_for(self, load_kind: str) -> str:
+        """Which engine serves ``closed`` / ``open`` loads (warm-up is tracked per engine)."""
+        return "engine"
+
+    def warm_up(self, requests: list[Request], load_kind: str) -> str:
+        """Run ``requests`` on the engine that will serve ``load_kind``, outside any measured window."""
+        if load_kind == "open":
+            self.open_loop(requests, [0.0] * len(requests))
+        else:
+            self.closed_loop(requests, concurrency=1)
         return f"{len(requests)} request(s) of {requests[0].max_tokens} tokens each, excluded from measurement"
 
     def closed_loop(self, requests: list[Request], concurrency: int, progress: Progress | None = None

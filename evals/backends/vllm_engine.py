@@ -13,8 +13,6 @@ outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over th
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
@@ -22,7 +20,7 @@ from evals.backends.base import (Backend, EngineFailure, Progress, Request, Requ
 from quant.errors import UserError
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "TOKENIZERS_PARALLELISM": "false"}
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
 PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -72,6 +70,7 @@ def engine_kwargs(config: ServingConfig) -> dict:
     kwargs = {"model": str(resolve_model(config.model)), "dtype": "bfloat16", "enforce_eager": True,
               "max_model_len": config.max_model_len, "disable_log_stats": False, "seed": 0}
     if config.scheme != "none":
+        check_scheme(config)
         kwargs["model"] = str(exported_checkpoint(config))
         kwargs["quantization"] = "compressed-tensors"
     from quant.kvcache import vllm_kv_cache_dtype
@@ -84,30 +83,32 @@ def engine_kwargs(config: ServingConfig) -> dict:
     return kwargs
 
 
+def check_scheme(config: ServingConfig) -> str:
+    """The vLLM CPU kernel for the config's scheme (UserError when there is none, e.g. W8A16)."""
+    from quant.vllm_support import vllm_support
+
+    return vllm_support(config.scheme)
+
+
 def exported_checkpoint(config: ServingConfig) -> Path:
-    """The compressed-tensors export of (model weights, scheme, method), made once and cached."""
-    from quant.checkpoint import check_vllm_support, save_compressed
+    """The compressed-tensors export of (model weights, scheme, method), made once and cached.
+
+    The model is quantized from its bf16 weights, exactly as the native backend does, so both backends
+    serve the same integer weights."""
+    from quant.checkpoint import save_compressed
     from quant.loading import load_model
     from quant.model_store import quantspec_home, resolve_model, weights_hash
     from quant.quantize import quantize_model
     from quant.scheme import parse_scheme
 
     scheme = parse_scheme(config.scheme)
-    check_vllm_support(scheme)
     source = resolve_model(config.model)
     target = quantspec_home() / "exports" / f"{weights_hash(source)}-{scheme.label}-{config.method}"
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lm = load_model(source, "fp32")
-    quantized = quantize_model(lm, scheme, config.method, None)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        save_compressed(quantized, staging)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    lm = load_model(source, "bf16")
+    report = quantize_model(lm, scheme, config.method, progress=False)
+    return save_compressed(lm, report, target)
 
 
 def counters_from_metrics(metrics) -> SpecCounters:
@@ -155,25 +156,40 @@ class VllmBackend(Backend):
 
     def __init__(self, config: ServingConfig):
         super().__init__(config)
-        require_vllm()
+        self.check(config)
         set_engine_env()
         self.kwargs = engine_kwargs(config)
         self._llm = None
         self._server = None
         self._tokenizer = None
         self._run = 0
+        self._engine_procs = []  # processes the in-process engine spawned (EngineCore, workers)
+
+    @classmethod
+    def check(cls, config: ServingConfig) -> None:
+        from quant.kvcache import vllm_kv_cache_dtype
+
+        require_vllm()
+        speculative_config(config)
+        vllm_kv_cache_dtype(config.kv)
+        if config.scheme != "none":
+            check_scheme(config)
 
     # engines start lazily, once, and serve every later run
     @property
     def llm(self):
         if self._llm is None:
+            import psutil
             from vllm import LLM
 
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
             try:
                 self._llm = LLM(**self.kwargs)
             except Exception as exc:  # engine start failure: one line, no traceback
                 raise UserError(f"vLLM engine failed to start for {self.config.label}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+            finally:
+                self._engine_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         return self._llm
 
     @property
@@ -193,7 +209,8 @@ class VllmBackend(Backend):
         return self._tokenizer
 
     def engine_config(self) -> dict:
-        return {"engine": "vllm", **{k: v for k, v in self.kwargs.items()},
+        return {"engine": "vllm", **self.kwargs,
+                "kernel": check_scheme(self.config) if self.config.scheme != "none" else "bf16",
                 "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "batching": self.batching,
                 "prefix_caching": "vLLM default (enabled); warm-up prompts are distinct from measured prompts"}
 
@@ -248,9 +265,8 @@ class VllmBackend(Backend):
         check_fits(requests, self.config.max_model_len)
         return self.server.open_loop(requests, offsets, self.config.temperature, progress)
 
-    def warm_up(self, requests: list[Request]) -> str:
-        what = super().warm_up(requests)
-        return f"in-process engine: {what}"
+    def engine_for(self, load_kind: str) -> str:
+        return "vllm serve" if load_kind == "open" else "in-process LLM"
 
     def spec_counters(self) -> SpecCounters | None:
         if not self.config.speculative:
@@ -260,18 +276,22 @@ class VllmBackend(Backend):
         return counters_from_metrics(self.llm.get_metrics())
 
     def peak_rss_bytes(self) -> int:
-        import psutil
-
-        pids = [c.pid for c in psutil.Process().children()] if self._llm is not None else []
+        pids = [p.pid for p in self._engine_procs]
         if self._server is not None and self._server.active:
             pids.append(self._server.pid)
         return process_tree_peak_rss(pids)
 
     def close(self) -> None:
+        """Stop the server and the in-process engine; any engine process still alive 15 s later is killed."""
+        import psutil
+
         if self._server is not None:
             self._server.stop()
+            self._server = None
         if self._llm is not None:
-            shutdown = getattr(self._llm.llm_engine.engine_core, "shutdown", None)
-            if shutdown:
-                shutdown()
+            self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
+        _, alive = psutil.wait_procs(self._engine_procs, timeout=15)
+        for proc in alive:
+            proc.kill()
+        self._engine_procs = []

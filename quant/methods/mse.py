@@ -43,22 +43,21 @@ def clip_search(weight: torch.Tensor, spec: WeightSpec, error: GroupError | None
     """Quantize ``weight`` with, per group, the clip ratio of ``ratios`` that minimises ``error``."""
     w = weight.float()
     error = error or weight_error(spec)
-    best = None
+    best_err = best_q = best_scale = best_zero = best_ratio = None
     for ratio in ratios:
         scale, zero = compute_qparams(w, spec, ratio)
         q = quantize(w, scale, zero, spec)
         err = error(w - dequantize(q, scale, zero, spec))
-        if best is None:
-            best = [err, q, scale, zero, torch.full_like(err, ratio)]
+        if best_err is None:
+            best_err, best_q, best_scale, best_zero = err, q, scale, zero
+            best_ratio = torch.full_like(err, ratio)
             continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(_expand(better, q, spec), q, best[1])
-        best[2] = torch.where(better, scale, best[2])
-        best[3] = torch.where(better, zero, best[3])
-        best[4] = torch.where(better, torch.full_like(err, ratio), best[4])
-    _, q, scale, zero, chosen = best
-    return QuantResult(q, scale, zero, info={"mean_clip_ratio": float(chosen.mean())})
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_q = torch.where(_expand(better, q, spec), q, best_q)
+        best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+        best_ratio = torch.where(better, ratio, best_ratio)
+    return QuantResult(best_q, best_scale, best_zero, info={"mean_clip_ratio": float(best_ratio.mean())})
 
 
 def _expand(mask: torch.Tensor, q: torch.Tensor, spec: WeightSpec) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""Native vs vLLM effective tok/s on the default model: bf16, W8A8, W4A16-g32 and bf16 + ngram K=4, at batch 1
+(C=1) and concurrency 16, side by side in one run. Each (backend, configuration) runs in its own process (clean
+peak-memory numbers, one engine serving both load levels); the parent prints the table and the ngram speedup
+over bf16 of the same backend at the same load.
+
+Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/backends.py [--num-prompts 16] [--output-len 64]
+Writes bench/results/backends.json (every run record + the table).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CONFIGS = {  # name -> ServingConfig fields
+    "bf16": {},
+    "W8A8": {"scheme": "W8A8"},
+    "W4A16-g32": {"scheme": "w4g32-sym"},
+    "bf16+ngram K=4": {"spec": "ngram:min=2,max=4", "k": 4},
+}
+BACKENDS = ("native", "vllm")
+LOADS = (1, 16)
+WORKLOAD = "spec_bench"
+
+
+def run_one(backend: str, name: str, num_prompts: int, output_len: int, out: str) -> None:
+    from evals.backends.base import ServingConfig
+    from evals.loadgen import LoadSpec
+    from evals.serving_metrics import SLO
+    from studies.cmd_bench import run_sweep
+
+    config = ServingConfig(backend=backend, max_model_len=1024, **CONFIGS[name])
+    runs = run_sweep([config], [LoadSpec.closed(c) for c in LOADS], WORKLOAD, num_prompts, output_len, True, None,
+                     SLO())
+    Path(out).write_text(json.dumps([r.record.to_dict() for r in runs], default=str))
+
+
+def main(args) -> None:
+    from evals.record import write_json_atomic
+
+    records, rows = [], []
+    for backend in BACKENDS:
+        for name in CONFIGS:
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                cmd = [sys.executable, __file__, "--one", backend, name, "--num-prompts", str(args.num_prompts),
+                       "--output-len", str(args.output_len), "--out", tmp.name]
+                print(f"--- {backend} {name}", flush=True)
+                proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+                runs = json.loads(Path(tmp.name).read_text() or "[]") if proc.returncode == 0 else []
+            if proc.returncode != 0:
+                rows.append({"backend": backend, "config": name, "failed": f"exit {proc.returncode}"})
+            for rec in runs:
+                records.append(rec)
+                res = rec["results"]
+                rows.append({"backend": backend, "config": name, "concurrency": rec["arrival"]["concurrency"],
+                             "effective_tok_s": res.get("effective_tok_s"), "alpha": (res.get("spec") or {}).get("alpha"),
+                             "tau": (res.get("spec") or {}).get("tau"), "tpot_p50_ms": 1e3 * res["tpot_s"]["p50"],
+                             "ttft_p50_ms": 1e3 * res["ttft_s"]["p50"], "peak_rss_mib": res["peak_rss_mib"],
+                             "failed": res.get("error")})
+    base = {(r["backend"], r.get("concurrency")): r.get("effective_tok_s") for r in rows if r["config"] == "bf16"}
+    for r in rows:
+        b = base.get((r["backend"], r.get("concurrency")))
+        r["vs_bf16_same_backend"] = r["effective_tok_s"] / b if b and r.get("effective_tok_s") else None
+    for r in rows:
+        twin = next((x for x in rows if x["backend"] == "native" and x["config"] == r["config"]
+                     and x.get("concurrency") == r.get("concurrency")), None)
+        r["vllm_over_native"] = (r["effective_tok_s"] / twin["effective_tok_s"]
+                                 if r["backend"] == "vllm" and twin and twin.get("effective_tok_s") else None)
+    print_table(rows)
+    out = Path(__file__).parent / "results" / "backends.json"
+    write_json_atomic(out, {"workload": WORKLOAD, "num_prompts": args.num_prompts, "output_len": args.output_len,
+                            "table": rows, "runs": records})
+    print(f"wrote {out}")
+
+
+def print_table(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="effective output tok/s, default model, spec_bench prompts, greedy, fixed output length")
+    for col in ("config", "C", "native tok/s", "vLLM tok/s", "vLLM/native", "native vs bf16", "vLLM vs bf16",
+                "α native/vLLM"):
+        table.add_column(col, justify="right")
+    for name in CONFIGS:
+        for c in LOADS:
+            n = next((r for r in rows if r["backend"] == "native" and r["config"] == name and r.get("concurrency") == c), {})
+            v = next((r for r in rows if r["backend"] == "vllm" and r["config"] == name and r.get("concurrency") == c), {})
+            fmt = lambda x, p="{:.1f}": p.format(x) if x is not None else "-"  # noqa: E731
+            table.add_row(name, str(c), fmt(n.get("effective_tok_s")), fmt(v.get("effective_tok_s")),
+                          fmt(v.get("vllm_over_native"), "{:.2f}x"), fmt(n.get("vs_bf16_same_backend"), "{:.2f}x"),
+                          fmt(v.get("vs_bf16_same_backend"), "{:.2f}x"),
+                          f"{fmt(n.get('alpha'), '{:.2f}')}/{fmt(v.get('alpha'), '{:.2f}')}")
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--one", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(*args.one, args.num_prompts, args.output_len, args.out)
+    else:
+        main(args)

@@ -1,0 +1,95 @@
+"""Native lm-eval backend vs lm-eval's stock ``hf`` backend on the default model (fp32), side by side.
+
+Same tasks (local YAMLs over the data dir), same documents, same prompts; the check is that every task's
+accuracy agrees within one stderr, plus how many items the two backends answer differently. Published
+SmolLM2-135M-Instruct numbers are listed for context (see the README for why they differ).
+
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_agreement.py --limit 500
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from evals.data import find_data_dir
+from evals.harness import run_lm_eval, task_manager
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from quant.model_store import SMOLLM2, resolve_model, weights_hash
+
+# SmolLM2-135M-Instruct model card (lighteval, zero-shot, HF bf16 weights, not the Q4_1 GGUF used here).
+PUBLISHED = {"hellaswag": 40.9, "arc_avg": 37.3, "piqa": 66.3}
+
+
+def backends(path: str, hf_batch_size: int) -> dict:
+    from lm_eval.models.huggingface import HFLM
+
+    from evals.lm_native import NativeLM
+
+    return {"native": lambda: NativeLM(pretrained=path, dtype="fp32"),
+            "hf": lambda: HFLM(pretrained=path, device="cpu", dtype="float32", batch_size=hf_batch_size)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", default="arc_easy,piqa,hellaswag")
+    ap.add_argument("--limit", type=int, default=500)
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="bench/results/eval_agreement.json")
+    args = ap.parse_args()
+    tasks = args.tasks.split(",")
+    path = str(resolve_model("default"))
+    manager = task_manager(tuple(tasks), find_data_dir(args.data_dir), ())
+    rows, items, seconds = {}, {}, {}
+    for name, make in backends(path, args.hf_batch_size).items():
+        t0 = time.perf_counter()
+        res = run_lm_eval(make(), tasks, manager, args.limit)
+        seconds[name] = time.perf_counter() - t0
+        rows[name] = {t: {k: v for k, v in res["results"][t].items() if k != "alias"} for t in tasks}
+        items[name] = {t: {s["doc_id"]: s["acc"] for s in res["samples"][t]} for t in tasks}
+        print(f"{name}: {seconds[name]:.0f} s", flush=True)
+
+    results = {"tasks": {}, "seconds": seconds, "published": PUBLISHED}
+    table = Table(title=f"default model fp32, lm-eval 0-shot, first {args.limit} docs per task")
+    for col in ("task", "native acc %", "hf acc %", "|Δ| pts", "stderr pts", "within 1 se", "items differing",
+                "native acc_norm %", "hf acc_norm %"):
+        table.add_column(col, justify="right")
+    for t in tasks:
+        nat, hf = rows["native"][t], rows["hf"][t]
+        delta = abs(nat["acc,none"] - hf["acc,none"])
+        se = max(nat["acc_stderr,none"], hf["acc_stderr,none"])
+        differ = sum(items["native"][t][d] != items["hf"][t][d] for d in items["native"][t])
+        results["tasks"][t] = {"native": nat, "hf": hf, "abs_delta": delta, "stderr": se, "within_1se": delta <= se,
+                               "items_differing": differ, "n": len(items["native"][t])}
+        table.add_row(t, f"{100 * nat['acc,none']:.1f}", f"{100 * hf['acc,none']:.1f}", f"{100 * delta:.2f}",
+                      f"{100 * se:.2f}", str(delta <= se), f"{differ}/{len(items['native'][t])}",
+                      f"{100 * nat['acc_norm,none']:.1f}", f"{100 * hf['acc_norm,none']:.1f}")
+    console = Console()
+    console.print(table)
+    console.print(f"time: native {seconds['native']:.0f} s, hf {seconds['hf']:.0f} s; published (lighteval): {PUBLISHED}")
+    record = RunRecord(
+        name="eval agreement: native vs lm-eval hf backend",
+        model=ModelCondition(SMOLLM2.name, weights_hash(resolve_model("default")), "fp32", note=SMOLLM2.note),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(sum(r["n"] for r in results["tasks"].values()), {"tasks": tasks},
+                                   {"scored": "loglikelihood of each choice"}, f"local lm-eval tasks, limit {args.limit}",
+                                   True),
+        arrival=ArrivalProcess(kind="offline scoring"),
+        engine=EngineCondition("native vs hf", {"native": "batch 1, shared-prefix KV reuse",
+                                                "hf": f"HFLM batch_size {args.hf_batch_size}"},
+                               warmup="none (accuracy)", cache_warmth="n/a"),
+        metric=MetricCondition({"acc": "lm-eval acc", "within_1se": "|acc_native - acc_hf| <= max stderr",
+                                "items_differing": "documents whose acc differs between backends"},
+                               correctness="accuracy agrees within one stderr on every task"),
+        results=results,
+    )
+    record.write(args.out)
+    console.print(f"run record: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""``evaluate(EvalConfig) -> EvalReport``: task accuracy through lm-eval, fidelity, and the quality floor.
+
+Flow: resolve tasks (local YAMLs in ``evals/tasks`` reading the data dir, else lm-eval's upstream tasks) ->
+score the configuration and the unquantized reference (native, same model and dtype) through lm-eval with
+per-item logging, each (weights hash, scheme, method, KV spec, backend, dtype, task, limit, fewshot) cached on
+disk -> paired bootstrap floor and flips per task -> KL / top-1 agreement / perplexity on WikiText-2 windows
+-> a report carrying its RunRecord. Importing this module starts no engine.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from evals import cache
+from evals.data import find_data_dir
+from evals.fidelity import FidelityStats, wikitext_fidelity
+from evals.floor import Floor, FloorResult, check_floor
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from quant.errors import UserError
+from quant.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+
+LOCAL_TASKS = Path(__file__).parent / "tasks"
+BACKENDS: dict[str, Callable] = {}
+
+
+def register_backend(name: str):
+    """Register ``factory(config) -> lm_eval LM`` under ``name`` (lm-eval-style registry)."""
+    def wrap(factory):
+        BACKENDS[name] = factory
+        return factory
+    return wrap
+
+
+@dataclass
+class EvalConfig:
+    model: str = "default"  # `default`, a HF dir, or a compressed-tensors checkpoint dir
+    scheme: str | None = None  # weight scheme for quant.quantize (native); None = as stored
+    method: str = "rtn"
+    kv: str | None = None  # KV cache spec (quant.kvcache); vLLM: its kv_cache_dtype
+    backend: str = "native"  # native | vllm
+    tasks: tuple[str, ...] = ("arc_easy",)
+    limit: int | None = None  # first N docs per task
+    fewshot: int = 0
+    floor: str | float | None = None  # 0.99 (relative) or abs:0.40
+    confidence: float = 0.95
+    seed: int = 0
+    data_dir: str | None = None
+    include_path: tuple[str, ...] = ()
+    dtype: str = "fp32"
+    metric: str = "acc"  # per-item metric the floor and flips use
+    reference: bool = True  # score the unquantized reference too (needed for Δ, flips, relative floors)
+    fidelity_windows: int = 4  # WikiText-2 windows for KL/agreement/PPL (0 = skip)
+    fidelity_ctx: int = 512
+    calib: object = None  # quant.calibration.CalibConfig for calibrated methods (gptq, awq...)
+    progress: bool = True
+
+    def __post_init__(self):
+        self.tasks = tuple(t.strip() for t in (self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks) if t.strip())
+        if not self.tasks:
+            raise UserError("no tasks given: pass --tasks arc_easy,piqa (see `lm_eval ls tasks` for names)")
+        if self.limit is not None and self.limit <= 0:
+            raise UserError(f"--limit must be >= 1, got {self.limit}")
+        if self.fewshot < 0:
+            raise UserError(f"--fewshot must be >= 0, got {self.fewshot}")
+        if self.backend not in BACKENDS:
+            raise UserError(f"unknown backend {self.backend!r}: use one of {', '.join(sorted(BACKENDS))}")
+        if not 0 < self.confidence < 1:
+            raise UserError(f"--confidence must be in (0, 1), got {self.confidence}")
+        self.floor_spec = Floor.parse(self.floor)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scheme or self.kv or self.backend != "native")
+
+    def reference_config(self) -> "EvalConfig":
+        return EvalConfig(**{**self.fields(), "scheme": None, "method": "rtn", "kv": None, "backend": "native",
+                             "floor": None, "reference": False, "fidelity_windows": 0})
+
+    def fields(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass
+class TaskResult:
+    task: str
+    metrics: dict  # lm-eval's "results" entry, e.g. {"acc,none": .., "acc_stderr,none": ..}
+    n: int
+    items: dict  # doc_id -> per-item metric value (the floor/flip metric)
+    cached: bool = False
+
+    def value(self, metric: str) -> tuple[float | None, float | None]:
+        return self.metrics.get(f"{metric},none"), self.metrics.get(f"{metric}_stderr,none")
+
+
+@dataclass
+class EvalReport:
+    config: dict
+    tasks: dict[str, TaskResult]
+    reference: dict[str, TaskResult]
+    comparison: dict[str, FloorResult]  # per task: Δ with CI, flips, floor verdict
+    fidelity: FidelityStats | None
+    verdict: str  # "pass" | "fail" | "no floor"
+    record: RunRecord
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"
+
+    def to_json(self) -> dict:
+        """lm-eval's results layout (results / n-samples) plus ``quantspec`` fields and the run record."""
+        return {
+            "results": {t: r.metrics for t, r in self.tasks.items()},
+            "n-samples": {t: {"effective": r.n} for t, r in self.tasks.items()},
+            "reference_results": {t: r.metrics for t, r in self.reference.items()},
+            "quantspec": {
+                "config": self.config,
+                "comparison": {t: c.to_dict() for t, c in self.comparison.items()},
+                "fidelity": self.fidelity.to_dict() if self.fidelity else None,
+                "verdict": self.verdict,
+                "notes": self.notes,
+            },
+            "run_record": self.record.to_dict(),
+        }
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+
+
+def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tuple[str, ...] = ()):
+    """lm-eval TaskManager: local task YAMLs (reading ``data_dir``) override upstream names when a data dir
+    exists; user folders come last. Upstream tasks are indexed only when a requested name needs them."""
+    from lm_eval.tasks import TaskManager
+
+    for p in include_path:
+        if not Path(p).is_dir():
+            raise UserError(f"--include-path {p} is not a directory of lm-eval task YAMLs")
+    paths = ([str(LOCAL_TASKS)] if data_dir else []) + [str(p) for p in include_path]
+    metadata = {"data_dir": str(data_dir)} if data_dir else None
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager(include_path=paths or None, metadata=metadata)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f"local tasks in {LOCAL_TASKS}" if data_dir else "no data dir (upstream tasks only)"
+        raise UserError(f"unknown task(s) {', '.join(unknown)} ({where}); local tasks: "
+                        f"{', '.join(sorted(p.stem for p in LOCAL_TASKS.glob('*.yaml')))}")
+    return manager
+
+
+# --------------------------------------------------------------------------------------------- backends
+
+
+def quantize_loaded(lm, scheme: str, method: str, calib=None) -> None:
+    """Quantize a loaded native model in place (quant.quantize)."""
+    from quant.quantize import quantize_model
+
+    quantize_model(lm, scheme, method, calib)
+
+
+@register_backend("native")
+def native_lm(config: EvalConfig):
+    from evals.lm_native import NativeLM
+    from quant.loading import load_model
+
+    loaded = load_model(config.model, config.dtype)
+    if config.scheme:
+        quantize_loaded(loaded, config.scheme, config.method, config.calib)
+    return NativeLM(loaded=loaded, cache_factory=_cache_factory(config.kv))
+
+
+def _cache_factory(kv: str | None):
+    if not kv:
+        return None
+    from quant.kvcache import make_cache_factory
+
+    return make_cache_factory(kv)
+
+
+@register_backend("vllm")
+def vllm_lm(config: EvalConfig):
+    """lm-eval's own ``vllm`` model over the checkpoint dir (schemes must be exported as compressed-tensors)."""
+    if config.scheme:
+        raise UserError("the vllm backend evaluates checkpoints: export the scheme as a compressed-tensors dir "
+                        "first and pass that dir as MODEL")
+    from evals.vllm_shim import lm_eval_vllm
+
+    kwargs = {"kv_cache_dtype": _vllm_kv(config.kv)} if config.kv else {}
+    return lm_eval_vllm(str(resolve_model(config.model)), dtype={"fp32": "float32", "bf16": "bfloat16"}[config.dtype],
+                        seed=config.seed, **kwargs)
+
+
+def _vllm_kv(kv: str) -> str:
+    from quant.kvcache import vllm_kv_cache_dtype
+
+    return vllm_kv_cache_dtype(kv)
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def _items(samples: list[dict], metric: str) -> dict:
+    return {int(s["doc_id"]): s[metric] for s in samples if isinstance(s.get(metric), (int, float))}
+
+
+def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int = 0, seed: int = 0) -> dict:
+    """lm-eval's ``simple_evaluate`` with per-item samples, all seeds set to ``seed``."""
+    import lm_eval
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=fewshot or None, limit=limit,
+                                   task_manager=manager, log_samples=True, random_seed=seed,
+                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                   verbosity="ERROR")
+
+
+def score_tasks(config: EvalConfig, manager, model_hash: str, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
+    """Per-task results for ``config``, from the cache where present; the model is built only on a miss."""
+    keys = {t: cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
+                              config.kv or "none", config.backend, config.dtype, t, config.limit, config.fewshot)
+            for t in config.tasks}
+    out: dict[str, TaskResult] = {}
+    for task, key in keys.items():
+        hit = cache.load(key)
+        if hit is not None:
+            out[task] = TaskResult(**{**hit, "items": {int(k): v for k, v in hit["items"].items()}, "cached": True})
+    missing = [t for t in config.tasks if t not in out]
+    if missing:
+        lm = (lm_factory or BACKENDS[config.backend])(config)
+        res = run_lm_eval(lm, missing, manager, config.limit, config.fewshot, config.seed)
+        for task in missing:
+            metrics = {k: v for k, v in res["results"][task].items() if k != "alias"}
+            samples = res["samples"][task]
+            result = TaskResult(task, metrics, len(samples), _items(samples, config.metric))
+            cache.store(keys[task], asdict(result))
+            out[task] = result
+    return {t: out[t] for t in config.tasks}
+
+
+def _paired(test: TaskResult, ref: TaskResult) -> tuple[list[float], list[float]]:
+    shared = sorted(set(test.items) & set(ref.items))
+    return [test.items[d] for d in shared], [ref.items[d] for d in shared]
+
+
+def compare(config: EvalConfig, tests: dict[str, TaskResult], refs: dict[str, TaskResult]) -> dict[str, FloorResult]:
+    floor = config.floor_spec or Floor(1.0)  # without a floor: Δ/flips are still reported, the verdict is not
+    out = {}
+    for task, test in tests.items():
+        if task in refs:
+            t, r = _paired(test, refs[task])
+            if t:
+                out[task] = check_floor(t, r, floor, config.confidence, seed=config.seed)
+    return out
+
+
+def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[str, FloorResult]) -> str:
+    floor = config.floor_spec
+    if floor is None:
+        return "no floor"
+    if floor.relative:
+        if any(t not in comparison for t in tests):
+            raise UserError(f"a relative floor needs per-item '{config.metric}' scores of the reference on every task")
+        return "pass" if all(c.passed for c in comparison.values()) else "fail"
+    passed = [check_floor(list(r.items.values()), [0.0] * len(r.items), floor, config.confidence, seed=config.seed).passed
+              for r in tests.values() if r.items]
+    return "pass" if passed and all(passed) else "fail"
+
+
+def _fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None:
+    if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
+        return None
+    from quant.loading import load_model
+
+    ref = load_model(config.model, config.dtype)
+    test = load_model(config.model, config.dtype)
+    if config.scheme:
+        quantize_loaded(test, config.scheme, config.method, config.calib)
+    ctx = min(config.fidelity_ctx, ref.model.args.max_seq_len)
+    return wikitext_fidelity(ref, test, data_dir, ctx, config.fidelity_windows,
+                             test_cache_factory=_cache_factory(config.kv))
+
+
+def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str) -> FidelityStats | None:
+    if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
+        return None
+    key = cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
+                         config.kv or "none", config.backend, config.dtype,
+                         f"_fidelity_wikitext2_ctx{config.fidelity_ctx}", config.fidelity_windows, 0)
+    hit = cache.load(key)
+    if hit is not None:
+        return FidelityStats(**hit)
+    stats = _fidelity(config, data_dir)
+    cache.store(key, stats.to_dict())
+    return stats
+
+
+def evaluate(config: EvalConfig, lm_factory: Callable | None = None) -> EvalReport:
+    """Score ``config`` (and its unquantized reference) on ``config.tasks``; see the module docstring."""
+    data_dir = find_data_dir(config.data_dir, required=False)
+    manager = task_manager(config.tasks, data_dir, config.include_path)
+    path = resolve_model(config.model)
+    model_hash = weights_hash(path)
+    tests = score_tasks(config, manager, model_hash, lm_factory)
+    refs = score_tasks(config.reference_config(), manager, model_hash) if config.reference and config.quantized else {}
+    if config.reference and not config.quantized:
+        refs = tests  # the configuration is the reference
+    comparison = compare(config, tests, refs)
+    fidelity = _cached_fidelity(config, data_dir, model_hash)
+    notes = [f"default model: {SMOLLM2.note}"] if is_default_model(path) else []
+    if not data_dir:
+        notes.append("no data dir: upstream lm-eval tasks from the hub")
+    verdict = _verdict(config, tests, comparison)
+    record = _record(config, path, model_hash, tests, comparison, fidelity, verdict, notes)
+    return EvalReport(config.fields() | {"calib": str(config.calib) if config.calib else None}, tests, refs,
+                      comparison, fidelity, verdict, record, notes)
+
+
+def _record(config, path, model_hash, tests, comparison, fidelity, verdict, notes) -> RunRecord:
+    return RunRecord(
+        name=f"eval {Path(path).name} {config.scheme or 'dense'} kv={config.kv or 'dense'} {config.backend}",
+        model=ModelCondition(str(config.model), model_hash, config.dtype, scheme=config.scheme or "none",
+                             note="; ".join(notes)),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(sum(r.n for r in tests.values()), {"tasks": list(config.tasks)},
+                                   {"scored": "loglikelihood of choices (no generation)"},
+                                   source=f"lm-eval tasks, limit={config.limit}, fewshot={config.fewshot}",
+                                   fixed_output_length=True),
+        arrival=ArrivalProcess(kind="offline scoring"),
+        engine=EngineCondition(config.backend, {"method": config.method, "kv": config.kv, "dtype": config.dtype},
+                               warmup="none (accuracy, not speed)", cache_warmth="n/a"),
+        metric=MetricCondition(
+            {"acc": "lm-eval acc (argmax of summed loglikelihood over choices)",
+             "delta": "acc_test - acc_ref on the same items, paired bootstrap percentile CI",
+             "flips": "items whose correctness differs from the unquantized reference (lost/gained)",
+             "kl": "mean/p99 over WikiText-2 tokens of KL(p_ref || p_test), nats",
+             "floor": "pass iff lower CI bound of acc_test - f*acc_ref (relative) or acc_test - a (absolute) >= 0"},
+            correctness=f"floor {config.floor_spec.label if config.floor_spec else 'none'} at confidence "
+                        f"{config.confidence}, seed {config.seed}"),
+        results={"tasks": {t: r.metrics for t, r in tests.items()},
+                 "comparison": {t: c.to_dict() for t, c in comparison.items()},
+                 "fidelity": fidelity.to_dict() if fidelity else None, "verdict": verdict},
+    )

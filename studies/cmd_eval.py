@@ -1,0 +1,81 @@
+"""``quantspec eval``: task accuracy (lm-eval), Δ vs the unquantized reference, flips, KL, PPL, verdict."""
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from evals.harness import EvalConfig, EvalReport, evaluate
+from evals.record import write_json_atomic
+from studies.app import DataDirOption, app
+
+console = Console()
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def print_report(report: EvalReport) -> None:
+    cfg = report.config
+    metric = cfg["metric"]
+    title = (f"{cfg['model']} scheme={cfg['scheme'] or 'dense'} method={cfg['method'] if cfg['scheme'] else '-'} "
+             f"kv={cfg['kv'] or 'dense'} backend={cfg['backend']} limit={cfg['limit']} fewshot={cfg['fewshot']}")
+    table = Table(title=title)
+    for col in ("task", "n", f"{metric} % ± se", f"ref {metric} %", f"Δ pts [{cfg['confidence']:.0%} CI]",
+                "flips (-lost/+gained)", "floor margin lo", "cached"):
+        table.add_column(col, justify="right")
+    for task, res in report.tasks.items():
+        value, stderr = res.value(metric)
+        ref_value = report.reference[task].value(metric)[0] if task in report.reference else None
+        comp = report.comparison.get(task)
+        table.add_row(
+            task, str(res.n), f"{_pct(value)} ± {_pct(stderr)}", _pct(ref_value),
+            f"{100 * comp.delta:+.1f} [{100 * comp.delta_ci[0]:+.1f}, {100 * comp.delta_ci[1]:+.1f}]" if comp else "-",
+            f"{comp.flips.total} (-{comp.flips.lost}/+{comp.flips.gained})" if comp else "-",
+            f"{100 * comp.margin_ci[0]:+.1f}" if comp and cfg["floor"] else "-",
+            "yes" if res.cached else "no",
+        )
+    console.print(table)
+    if report.fidelity:
+        f = report.fidelity
+        console.print(f"WikiText-2 fidelity vs reference ({f.n_tokens} tokens): KL mean {f.mean_kl:.4f} / p99 "
+                      f"{f.p99_kl:.4f} nats, top-1 agreement {100 * f.top1_agreement:.1f}%, PPL {f.ppl_test:.2f} "
+                      f"(reference {f.ppl_ref:.2f})")
+    colour = {"pass": "green", "fail": "red"}.get(report.verdict, "yellow")
+    floor = report.record.metric.correctness
+    console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+@app.command("eval")
+def eval_command(
+    model: str = typer.Argument("default", help="`default`, a HF dir, or a compressed-tensors checkpoint dir."),
+    tasks: str = typer.Option("arc_easy", "--tasks", "-t", help="Comma-separated lm-eval task names."),
+    scheme: str = typer.Option(None, "--scheme", "-s", help="Weight scheme (e.g. w4g32-asym, W8A16); native only."),
+    method: str = typer.Option("rtn", "--method", help="Quantization method (rtn, gptq, ...)."),
+    kv: str = typer.Option(None, "--kv", help="KV cache spec (quant.kvcache), e.g. k8tok-v8tok, fp8."),
+    backend: str = typer.Option("native", "--backend", "-b", help="native or vllm."),
+    limit: int = typer.Option(None, "--limit", "-l", help="First N documents per task."),
+    fewshot: int = typer.Option(0, "--fewshot"),
+    floor: str = typer.Option(None, "--floor", help="0.99 = 99% of reference accuracy; abs:0.40 = absolute."),
+    confidence: float = typer.Option(0.95, "--confidence"),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16."),
+    fidelity_windows: int = typer.Option(4, "--fidelity-windows", help="WikiText-2 windows for KL/PPL (0 = off)."),
+    no_reference: bool = typer.Option(False, "--no-reference", help="Skip the unquantized reference run."),
+    include_path: list[str] = typer.Option([], "--include-path", help="Extra lm-eval task folder(s)."),
+    json_out: str = typer.Option(None, "--json", help="Write lm-eval-shaped results + run record here."),
+    data_dir: str = DataDirOption,
+):
+    """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
+    config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, tasks=tasks, limit=limit,
+                        fewshot=fewshot, floor=floor, confidence=confidence, seed=seed, data_dir=data_dir,
+                        include_path=tuple(include_path), dtype=dtype, reference=not no_reference,
+                        fidelity_windows=fidelity_windows)
+    report = evaluate(config)
+    print_report(report)
+    if json_out:
+        write_json_atomic(json_out, report.to_json())
+        console.print(f"results: {json_out}")

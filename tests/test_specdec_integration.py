@@ -1,0 +1,23 @@
+"""Speculative decoding on the real default model: n-gram greedy output equals plain greedy, α > 0."""
+import pytest
+
+from evals.data import load_prompts
+from quant.loading import load_model
+from specdec.generate import Decoder, encode_prompt
+from specdec.speculative import SpeculativeDecoder
+
+pytestmark = pytest.mark.integration
+
+
+def test_ngram_greedy_equals_plain_on_default_model(default_model_dir):
+    lm = load_model(default_model_dir, "fp32")
+    prompts = [encode_prompt(lm.tokenizer, p) for p in load_prompts("spec_bench", limit=2)]
+    max_len = max(map(len, prompts)) + 64 + 8
+    spec = SpeculativeDecoder(lm, "ngram:min=2,max=4", 4, max_len=max_len)
+    plain = Decoder(lm, max_len)
+    accepted = 0
+    for ids in prompts:
+        result = spec.generate(ids, 48, ignore_eos=True)
+        assert result.tokens == plain.generate(ids, 48, ignore_eos=True).tokens
+        accepted += result.stats["accepted"]
+    assert accepted > 0
