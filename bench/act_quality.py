@@ -142,6 +142,8 @@ def print_table(record: RunRecord) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "act_quality.json"))
+    parser.add_argument("--data-dir", default=None)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--calib-samples", type=int, default=8)
@@ -150,8 +152,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
     parser.add_argument("--no-speed", action="store_true")
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "act_quality.json"))
     args = parser.parse_args()
     record = main(args)
     print_table(record)

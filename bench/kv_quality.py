@@ -6,9 +6,11 @@ error). The reference is the same chunked run with the dense fp32 cache. Static 
 calibrated on WikiText-2 *validation* windows (quant.calibration) with the minmax observer.
 
 Usage: python bench/kv_quality.py [--specs a,b,..] [--windows-512 2] [--windows-2048 1] [--chunk 64]
+       flock /tmp/qs-vllm.lock python bench/kv_quality.py --vllm   (afterwards: native vs vLLM fp8 KV, greedy)
 Writes bench/results/kv_quality.json (a RunRecord). Prints the table and the KIVI key-granularity verdict.
 """
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -98,6 +100,44 @@ def main(args) -> RunRecord:
     )
 
 
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of generated positions where two greedy runs emit the same token."""
+    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
+
+
+def vllm_side_by_side(model: str, n_prompts: int, new_tokens: int, data_dir) -> dict:
+    """Greedy tokens with fp8 vs full-precision KV, native (bf16 weights) and vLLM (bf16), on spec_bench prompts:
+    each backend's fp8 run is compared with its own unquantized-KV run (weights/kernels differ across backends)."""
+    from vllm import LLM, SamplingParams
+
+    from evals.backends.vllm_engine import set_engine_env
+    from evals.data import load_prompts
+    from quant.kvcache import vllm_kv_cache_dtype
+    from specdec.generate import encode_prompt
+
+    lm = load_model(model, "bf16")
+    prompts = [encode_prompt(lm.tokenizer, p) for p in load_prompts("spec_bench", data_dir, n_prompts)]
+    specs = ["none", "fp8_e4m3", "fp8_e5m2"]
+    native = {}
+    for spec in specs:
+        dec = Decoder(lm, max(map(len, prompts)) + new_tokens + 1, make_cache_factory(spec))
+        native[spec] = [dec.generate(p, new_tokens, ignore_eos=True).tokens for p in prompts]
+    set_engine_env()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    vllm = {}
+    for spec in specs:
+        llm = LLM(model=str(lm.path), dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0,
+                  kv_cache_dtype=vllm_kv_cache_dtype(spec))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        vllm[spec] = [list(o.outputs[0].token_ids) for o in outs]
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "weights": "bf16 (both backends)",
+            "native_vs_own_fp_kv": {s: greedy_agreement(native["none"], native[s]) for s in specs[1:]},
+            "vllm_vs_own_fp_kv": {s: greedy_agreement(vllm["none"], vllm[s]) for s in specs[1:]},
+            "native_vs_vllm": {s: greedy_agreement(native[s], vllm[s]) for s in specs}}
+
+
 def row_of(label: str, bytes_per_token, per_ctx: dict, seconds: float) -> dict:
     row = {"spec": label, "bytes_per_token": bytes_per_token, "seconds": round(seconds, 1)}
     for ctx, parts in per_ctx.items():
@@ -130,6 +170,8 @@ def print_table(record: RunRecord) -> None:
                       f"{r['seconds']:.0f}")
     Console().print(table)
     Console().print(f"keys per-channel vs per-token (values fp32): {record.results['kivi_key_verdict']}")
+    if "vllm_fp8_greedy_agreement" in record.results:
+        Console().print(f"fp8 KV greedy agreement: {record.results['vllm_fp8_greedy_agreement']}")
 
 
 if __name__ == "__main__":
@@ -139,10 +181,16 @@ if __name__ == "__main__":
     parser.add_argument("--windows-512", type=int, default=2)
     parser.add_argument("--windows-2048", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--vllm", action="store_true", help="only add native vs vLLM fp8-KV greedy agreement to "
+                        "the existing --out record (run under flock /tmp/qs-vllm.lock)")
     parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kv_quality.json"))
     args = parser.parse_args()
-    record = main(args)
+    if args.vllm:  # adds to the record an earlier run wrote
+        record = RunRecord.from_dict(json.loads(Path(args.out).read_text()))
+        record.results["vllm_fp8_greedy_agreement"] = vllm_side_by_side(args.model, 4, 64, args.data_dir)
+    else:
+        record = main(args)
     print_table(record)
     print(f"wrote {record.write(args.out)}")

@@ -135,6 +135,7 @@ def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tu
     exists; user folders come last. Upstream tasks are indexed only when a requested name needs them."""
     from lm_eval.tasks import TaskManager
 
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # overrides of upstream names are intended
     for p in include_path:
         if not Path(p).is_dir():
             raise UserError(f"--include-path {p} is not a directory of lm-eval task YAMLs")

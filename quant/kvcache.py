@@ -65,8 +65,10 @@ class KVTensorSpec:
             raise UserError(f"unknown KV granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
         if self.granularity == "token" and self.static:
             raise UserError("per-token KV scales are dynamic: drop the 's' suffix, or use t/h/ch for static scales")
-        if self.granularity in ("tensor", "head") and not self.static and self.fmt in INT_BITS:
-            raise UserError("per-tensor/per-head int KV scales are static: add 's' (calibrated) or use tok/ch")
+        if self.granularity == "head" and not self.static:
+            raise UserError("per-head KV scales are static: add 's' (calibrated) or use tok/ch")
+        if self.granularity == "tensor" and not self.static and self.fmt in INT_BITS:
+            raise UserError("per-tensor int KV scales are static: add 's' (calibrated) or use tok/ch")
         if self.group is not None and (self.granularity not in ("token", "channel") or self.static or self.group < 1):
             raise UserError("a KV group size g<N> applies to dynamic tok (channels) or ch (tokens) only")
         if self.granularity == "channel" and not self.static and self.group is None:
@@ -203,13 +205,12 @@ class KVStore:
         else:
             self.codes = torch.zeros(*shape, head_dim * spec.bits // 8, dtype=torch.uint8)
         self.scale = self.offset = None
-        if spec.fmt == "none":
-            pass
-        elif spec.static or spec.granularity in ("tensor", "head"):  # fixed scales (fp8 unscaled: 1)
-            self.scale = static_scale.float() if static_scale is not None else torch.ones(1, 1, 1, 1)
-            if spec.static and static_scale is None:
-                raise UserError(f"KV spec part {spec.label} needs calibrated scales: run calibrate_kv_scales first")
-        else:
+        self.dynamic = spec.fmt != "none" and not spec.static and spec.granularity in ("token", "channel")
+        if spec.static and static_scale is None:
+            raise UserError(f"KV spec part {spec.label} needs calibrated scales: run calibrate_kv_scales first")
+        if spec.fmt != "none" and not self.dynamic:  # fixed scales; unscaled fp8 uses 1, as vLLM does
+            self.scale = static_scale.float() if spec.static else torch.ones(1, 1, 1, 1)
+        elif self.dynamic:
             n_params = head_dim // (spec.group or head_dim) if spec.granularity == "token" else head_dim
             n_slots = max_len if spec.granularity == "token" else -(-max_len // self.block)
             self.scale = torch.zeros(batch, n_heads, n_slots, n_params, dtype=PARAM_DTYPE)
@@ -219,10 +220,6 @@ class KVStore:
         self.tail = torch.zeros(batch, n_heads, 0, head_dim, dtype=dtype)
 
     # -- quantization math: x ≈ code * scale + offset (int), x ≈ fp8(x / scale) * scale (fp8)
-
-    @property
-    def dynamic(self) -> bool:
-        return self.scale is not None and self.scale.dtype == PARAM_DTYPE
 
     def _view(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, H, n, D] arranged so dynamic scales reduce over dim -2 (channel) or -1 (token)."""

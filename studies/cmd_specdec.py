@@ -18,7 +18,7 @@ from quant.loading import LoadedModel, load_model
 from quant.model_store import SMOLLM2, is_default_model, weights_hash
 from specdec.generate import encode_prompt
 from specdec.lossless import first_step_test, greedy_mismatches, synthetic_test
-from specdec.proposers import build_proposer
+from specdec.proposers import Proposer, build_proposer
 from specdec.sampling import SamplingConfig
 from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
 from specdec.sweep import SweepResult, run_sweep
@@ -57,8 +57,8 @@ def progress_bar() -> Progress:
                     console=console, transient=True)
 
 
-def prompt_ids(lm: LoadedModel, source: str, limit: int, data_dir) -> list[list[int]]:
-    return [encode_prompt(lm.tokenizer, text) for text in load_prompts(source, data_dir, limit)]
+def prompt_ids(lm: LoadedModel, texts: list[str]) -> list[list[int]]:
+    return [encode_prompt(lm.tokenizer, text) for text in texts]
 
 
 def model_condition(target: str, lm: LoadedModel) -> ModelCondition:
@@ -142,18 +142,15 @@ def plot_sweep(record: RunRecord, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def measure_acceptance(target: str, draft: str, ks: list[int], prompts_source: str, limit: int | None,
-                       max_new_tokens: int, sampling: SamplingConfig, dtype: str, data_dir=None,
-                       threads: int | None = None) -> RunRecord:
+def measure_acceptance(lm: LoadedModel, target: str, proposer: Proposer, ks: list[int], texts: list[str],
+                       source: str, max_new_tokens: int, sampling: SamplingConfig) -> RunRecord:
     """Python API behind ``quantspec accept``: a RunRecord with one row per K."""
-    lm = load_model(target, dtype, threads)
-    proposer = build_proposer(draft, lm)
-    prompts = prompt_ids(lm, prompts_source, limit, data_dir)
+    prompts = prompt_ids(lm, texts)
     with progress_bar() as bar:
         task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1))
         sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling,
                           lambda what: bar.update(task, advance=1, description=what))
-    return sweep_record(target, lm, proposer.label, sampling, prompts_source, prompts, max_new_tokens, sweep)
+    return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep)
 
 
 @app.command()
@@ -177,8 +174,10 @@ def accept(
 ):
     """Acceptance (α, τ, per position) and speedup vs K, beside Leviathan's prediction."""
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    record = measure_acceptance(target, draft, parse_ks(k), prompts, limit, max_new_tokens, sampling, dtype,
-                                data_dir, threads)
+    ks = parse_ks(k)
+    texts = load_prompts(prompts, data_dir, limit)
+    lm = load_model(target, dtype, threads)
+    record = measure_acceptance(lm, target, build_proposer(draft, lm), ks, texts, prompts, max_new_tokens, sampling)
     print_sweep(record)
     if json_out:
         console.print(f"run record: {record.write(json_out)}")
@@ -210,7 +209,7 @@ def check_lossless(
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     check_k(k)
     lm = load_model(target, dtype)
-    ids = prompt_ids(lm, prompts, max(limit, prefixes), data_dir)
+    ids = prompt_ids(lm, load_prompts(prompts, data_dir, max(limit, prefixes)))
     max_len = max(len(p) for p in ids) + max_new_tokens + MAX_K + 1
     spec = SpeculativeDecoder(lm, draft, k, SamplingConfig(), max_len)
     with progress_bar() as bar:

@@ -50,6 +50,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     if scheme not in RDB_SCHEMES or "://" not in url:
         raise UserError(f"unknown storage {url!r}: use sqlite:///FILE.db, postgresql://..., mysql://... "
                         "or journal:///FILE.log")
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg2://" + url[len("postgresql://"):]  # the driver requirements.txt installs
     for attempt in range(SCHEMA_RACE_RETRIES):
         try:
             return _rdb_storage(url, scheme)

@@ -167,59 +167,30 @@ def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ vLLM
 
-PROMPT = "What is the capital of France?"
-VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-
 
 @pytest.fixture(scope="module")
-def vllm_answers(default_model_dir, tmp_path_factory):
-    """One vLLM process: the static W8A8 export, and the bf16 model with the fp8 KV cache (quant/kvcache.py)."""
+def vllm_static_answer(default_model_dir, tmp_path_factory):
+    """The static W8A8 export answered by vLLM, through tests/test_quant_vllm.py's runner (its own process)."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     from quant.checkpoint import save_compressed
-    from quant.kvcache import vllm_kv_cache_dtype
 
+    runner = Path(__file__).with_name("test_quant_vllm.py")
     lm = load_model(str(default_model_dir), "bf16", threads=1)
     report = quantize_w8a8(lm, "w8ch-sym_a8t-static", calib=CalibConfig(samples=8, seqlen=256), progress=False)
-    static_dir = save_compressed(lm, report, tmp_path_factory.mktemp("vllm-static") / "w8a8-static")
-    jobs = {"w8a8_static": [str(static_dir), "auto"], "kv_fp8": [str(default_model_dir), vllm_kv_cache_dtype("fp8")]}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(jobs)], capture_output=True, text=True,
-                          env={**os.environ, **VLLM_ENV}, timeout=900)
+    out = save_compressed(lm, report, tmp_path_factory.mktemp("vllm-static") / "w8a8-static")
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(runner), json.dumps({"static": str(out)})], capture_output=True,
+                          text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])["static"]
 
 
 @pytest.mark.vllm
 @pytest.mark.integration
-@pytest.mark.parametrize("job", ["w8a8_static", "kv_fp8"])
-def test_vllm_runs_static_w8a8_and_fp8_kv(vllm_answers, job):
-    assert "Paris" in vllm_answers[job], vllm_answers
-
-
-def _vllm_answer_all(jobs: dict[str, list[str]]) -> dict[str, str]:
-    import gc
-
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    answers = {}
-    for job, (path, kv_dtype) in jobs.items():
-        tok = AutoTokenizer.from_pretrained(path)
-        prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                         tokenize=False)
-        llm = LLM(model=path, enforce_eager=True, dtype="bfloat16", max_model_len=512, seed=0,
-                  kv_cache_dtype=kv_dtype)
-        answers[job] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    return answers
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(json.dumps(_vllm_answer_all(json.loads(sys.argv[1]))))
+def test_vllm_generates_from_static_w8a8_checkpoint(vllm_static_answer):
+    assert "Paris" in vllm_static_answer

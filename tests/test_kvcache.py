@@ -36,7 +36,7 @@ def test_shorthands_expand():
     assert parse_kv_spec("none") is None and make_cache_factory("none") is None
 
 
-@pytest.mark.parametrize("bad", ["k8x-v8tok", "k8tokk", "kivi3", "k8t-v8t", "k8toks-v8tok", "k8hg4-v8tok", "k8tok"])
+@pytest.mark.parametrize("bad", ["k8x-v8tok", "k8tokk", "kivi3", "k8t-v8t", "k8toks-v8tok", "k8hg4-v8tok", "k8tok", "kfp8h-vfp8h"])
 def test_bad_specs_refused_with_help(bad):
     with pytest.raises(UserError):
         parse_kv_spec(bad)

@@ -1,7 +1,19 @@
 """`quantspec search` / `quantspec pareto` bad input: one `error:` line, exit code 2, no traceback."""
 import pytest
 
+from studies.cli import main
 from test_cli_errors import assert_one_line_error, run_cli
+
+
+def cli_error(capsys, *args) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one `error:` line."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -18,17 +30,21 @@ from test_cli_errors import assert_one_line_error, run_cli
     (["--sampler", "cma"], "unknown sampler"),
     (["--n-trials", "0"], "--n-trials"),
 ])
-def test_search_bad_input(tmp_path, args, needle):
-    assert_one_line_error(run_cli("search", "--study-dir", str(tmp_path), *args), needle)
+def test_search_bad_input(tmp_path, capsys, args, needle):
+    assert needle in cli_error(capsys, "search", "--study-dir", str(tmp_path), *args)
 
 
-def test_study_must_exist_without_create(tmp_path):
-    proc = run_cli("search", "--storage", f"sqlite:///{tmp_path}/s.db", "--study-name", "absent")
-    assert_one_line_error(proc, "pass --create")
+def test_study_must_exist_without_create(tmp_path, capsys):
+    line = cli_error(capsys, "search", "--storage", f"sqlite:///{tmp_path}/s.db", "--study-name", "absent")
+    assert "pass --create" in line
 
 
-def test_pareto_bad_input(tmp_path):
-    assert_one_line_error(run_cli("pareto", "--study-dir", str(tmp_path)), "no study storage")
-    assert_one_line_error(run_cli("pareto", "--storage", "mongodb://x"), "unknown storage")
-    assert_one_line_error(run_cli("pareto", "--storage", f"sqlite:///{tmp_path}/e.db", "--study-name", "x"),
-                          "not found")
+def test_pareto_bad_input(tmp_path, capsys):
+    assert "no study storage" in cli_error(capsys, "pareto", "--study-dir", str(tmp_path))
+    assert "unknown storage" in cli_error(capsys, "pareto", "--storage", "mongodb://x")
+    assert "not found" in cli_error(capsys, "pareto", "--storage", f"sqlite:///{tmp_path}/e.db", "--study-name", "x")
+
+
+def test_unreachable_database_from_the_console_script():
+    """The same path through a real process: no traceback reaches the user."""
+    assert_one_line_error(run_cli("search", "--storage", "postgresql://127.0.0.1:1/x"), "cannot open storage")

@@ -1,0 +1,117 @@
+"""compressed-tensors export: llm-compressor's layout, bit-exact reload, atomic writes, bad input."""
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from safetensors import safe_open
+
+from quant import checkpoint
+from quant.checkpoint import ct_scheme, save_compressed
+from quant.errors import UserError
+from quant.loading import load_model
+from quant.qlinear import QuantizedLinear
+from quant.quantize import quantize_model
+from specdec.generate import Decoder
+
+IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]
+
+
+def quantized(path, label, dtype="fp32"):
+    lm = load_model(str(path), dtype)
+    return lm, quantize_model(lm, label, progress=False)
+
+
+@pytest.mark.parametrize("label", ["w4g32-asym", "w4g64-sym", "w8ch-sym", "W8A8", "w3g32-asym", "w8t-asym"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_round_trip_is_bit_exact(tiny_llama_dir, tmp_path, label, dtype):
+    lm, report = quantized(tiny_llama_dir, label, dtype)
+    out = save_compressed(lm, report, tmp_path / "ck")
+    loaded = load_model(str(out), dtype)
+    assert torch.equal(Decoder(lm, 32).forward(IDS), Decoder(loaded, 32).forward(IDS))
+    ours = dict(lm.model.named_modules())
+    for name, layer in loaded.model.named_modules():
+        if isinstance(layer, QuantizedLinear):
+            assert layer.kernel_name == ours[name].kernel_name
+            for a, b in zip(layer.export(), ours[name].export()):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("label,fmt,names", [
+    ("w4g32-asym", "pack-quantized", {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"}),
+    ("w4g64-sym", "pack-quantized", {"weight_packed", "weight_scale", "weight_shape"}),
+    ("W8A8", "int-quantized", {"weight", "weight_scale"}),
+])
+def test_llm_compressor_layout(tiny_llama_dir, tmp_path, label, fmt, names):
+    lm, report = quantized(tiny_llama_dir, label)
+    out = save_compressed(lm, report, tmp_path / "ck")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == fmt
+    assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"] and group["weights"]["num_bits"] == report.scheme.weights.bits
+    assert (group["input_activations"] is not None) == (label == "W8A8")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    prefix = "model.layers.0.mlp.down_proj."
+    assert {k.removeprefix(prefix) for k in keys if k.startswith(prefix)} == names
+    assert "lm_head.weight" in keys and "model.embed_tokens.weight" in keys
+    assert {"tokenizer.json", "generation_config.json", "quantspec_report.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_compressed_tensors_decompresses_to_our_weight(tiny_llama_dir, tmp_path):
+    lm, report = quantized(tiny_llama_dir, "w4g32-asym")
+    out = save_compressed(lm, report, tmp_path / "ck")
+    prefix = "model.layers.1.self_attn.o_proj."
+    with safe_open(out / "model.safetensors", "pt") as f:
+        local = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    weight = PackedQuantizationCompressor.decompress(local, ct_scheme(report.scheme))["weight"]
+    ours = lm.model.layers[1].self_attn.o_proj.dequantized_weight()
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, ours.to(torch.bfloat16))  # bf16 scales
+
+
+def test_transformers_loads_the_checkpoint(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    lm, report = quantized(tiny_llama_dir, "w8ch-sym")
+    out = save_compressed(lm, report, tmp_path / "ck")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    ours = Decoder(lm, 32).forward(IDS)
+    torch.testing.assert_close(ours, ref, atol=0.05, rtol=0.05)  # ours: bf16 activations in the int8 kernel
+
+
+def test_existing_dir_needs_overwrite(tiny_llama_dir, tmp_path):
+    lm, report = quantized(tiny_llama_dir, "w4g32-sym")
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="--overwrite"):
+        save_compressed(lm, report, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    save_compressed(lm, report, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temp or swapped-out dirs left
+
+
+def test_failure_leaves_nothing_half_written(tiny_llama_dir, tmp_path, monkeypatch):
+    lm, report = quantized(tiny_llama_dir, "w4g32-sym")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(OSError):
+        save_compressed(lm, report, tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refusals(tiny_llama_dir, tmp_path):
+    lm = load_model(str(tiny_llama_dir))
+    with pytest.raises(UserError, match="no quantized layers"):
+        save_compressed(lm, "w4g32-sym", tmp_path / "a")
+    quantize_model(lm, "w4g32-sym+pad", progress=False)
+    with pytest.raises(UserError, match="padded"):
+        save_compressed(lm, "w4g32-sym+pad", tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,59 @@
+"""evaluate(): per-task results, reference comparison, fidelity and the on-disk cache (tiny random Llama)."""
+import json
+
+import pytest
+
+from evals.data import find_data_dir
+from evals.harness import EvalConfig, evaluate
+from quant.errors import UserError
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if find_data_dir(None, required=False) is None:
+        pytest.skip("no eval data dir")
+    return tmp_path
+
+
+def _boom(config):
+    raise AssertionError("cache hit must not build the model")
+
+
+def test_quantized_eval_reports_and_caches(home, tiny_llama_dir):
+    config = EvalConfig(model=str(tiny_llama_dir), scheme="w4g32-sym", tasks=("arc_easy", "piqa"), limit=6,
+                        floor="0.5", fidelity_windows=1, fidelity_ctx=64)
+    first = evaluate(config)
+    assert set(first.tasks) == {"arc_easy", "piqa"} and all(r.n == 6 for r in first.tasks.values())
+    for task, comp in first.comparison.items():
+        t, r = first.tasks[task], first.reference[task]
+        assert comp.acc_test == pytest.approx(t.value("acc")[0]) and comp.acc_ref == pytest.approx(r.value("acc")[0])
+        lost = sum(r.items[d] > t.items[d] for d in t.items)
+        assert comp.flips.lost == lost
+    assert first.fidelity.n_tokens == 63 and first.fidelity.mean_kl > 0 and first.fidelity.ppl_test > 1
+    assert first.verdict in ("pass", "fail") and not any(r.cached for r in first.tasks.values())
+    again = evaluate(config, lm_factory=_boom)
+    assert all(r.cached for r in again.tasks.values()) and all(r.cached for r in again.reference.values())
+    assert again.to_json()["results"] == first.to_json()["results"] and again.fidelity == first.fidelity
+    out = json.loads(json.dumps(again.to_json(), default=str))
+    assert out["run_record"]["model"]["weights_hash"] and out["quantspec"]["verdict"] == first.verdict
+
+
+def test_fidelity_ppl_matches_perplexity_module(home, tiny_llama_dir):
+    from evals.fidelity import wikitext_fidelity
+    from evals.perplexity import wikitext2_perplexity
+    from quant.loading import load_model
+
+    lm = load_model(tiny_llama_dir)
+    stats = wikitext_fidelity(lm, lm, None, ctx=64, max_windows=2)
+    ppl = wikitext2_perplexity(lm, None, ctx=64, max_windows=2)
+    assert stats.mean_kl < 1e-6 and stats.top1_agreement == 1.0
+    assert stats.ppl_ref == pytest.approx(ppl.ppl, rel=1e-4) and stats.n_tokens == ppl.n_tokens
+
+
+@pytest.mark.parametrize("kwargs, match", [({"limit": 0}, "limit"), ({"floor": "1.5"}, "floor"),
+                                           ({"backend": "tgi"}, "backend"), ({"tasks": ""}, "tasks")])
+def test_bad_config(kwargs, match):
+    with pytest.raises(UserError, match=match):
+        EvalConfig(**kwargs)
