@@ -3,11 +3,12 @@
 peak-memory numbers, one engine serving both load levels); the parent prints the table and the ngram speedup
 over bf16 of the same backend at the same load.
 
-Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/backends.py [--num-prompts 16] [--output-len 64]
+Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/backends.py [--num-prompts 8] [--output-len 48]
 Writes bench/results/backends.json (every run record + the table).
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,15 +26,21 @@ WORKLOAD = "spec_bench"
 
 
 def run_one(backend: str, name: str, num_prompts: int, output_len: int, out: str) -> None:
+    """One engine for ``name`` on ``backend`` serving every load level (at least C prompts at concurrency C)."""
+    from evals.backends import open_backend
     from evals.backends.base import ServingConfig
+    from evals.bench_api import run_benchmark
     from evals.loadgen import LoadSpec
-    from evals.serving_metrics import SLO
-    from studies.cmd_bench import run_sweep
 
     config = ServingConfig(backend=backend, max_model_len=1024, **CONFIGS[name])
-    runs = run_sweep([config], [LoadSpec.closed(c) for c in LOADS], WORKLOAD, num_prompts, output_len, True, None,
-                     SLO())
-    Path(out).write_text(json.dumps([r.record.to_dict() for r in runs], default=str))
+    records = []
+    with open_backend(config) as engine:
+        for c in LOADS:
+            run = run_benchmark(config, WORKLOAD, LoadSpec.closed(c), backend=engine, num_prompts=max(num_prompts, c),
+                                output_len=output_len)
+            run.record.results["load_avg_1m_after"] = os.getloadavg()[0]
+            records.append(run.record.to_dict())
+    Path(out).write_text(json.dumps(records, default=str))
 
 
 def main(args) -> None:
@@ -57,6 +64,7 @@ def main(args) -> None:
                              "effective_tok_s": res.get("effective_tok_s"), "alpha": (res.get("spec") or {}).get("alpha"),
                              "tau": (res.get("spec") or {}).get("tau"), "tpot_p50_ms": 1e3 * res["tpot_s"]["p50"],
                              "ttft_p50_ms": 1e3 * res["ttft_s"]["p50"], "peak_rss_mib": res["peak_rss_mib"],
+                             "n_prompts": rec["lengths"]["n_requests"], "load_avg_1m": res.get("load_avg_1m_after"),
                              "failed": res.get("error")})
     base = {(r["backend"], r.get("concurrency")): r.get("effective_tok_s") for r in rows if r["config"] == "bf16"}
     for r in rows:
@@ -69,7 +77,7 @@ def main(args) -> None:
                                  if r["backend"] == "vllm" and twin and twin.get("effective_tok_s") else None)
     print_table(rows)
     out = Path(__file__).parent / "results" / "backends.json"
-    write_json_atomic(out, {"workload": WORKLOAD, "num_prompts": args.num_prompts, "output_len": args.output_len,
+    write_json_atomic(out, {"workload": WORKLOAD, "load_avg_1m_end": os.getloadavg()[0], "num_prompts": args.num_prompts, "output_len": args.output_len,
                             "table": rows, "runs": records})
     print(f"wrote {out}")
 
@@ -96,8 +104,8 @@ def print_table(rows) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per run (at least C at concurrency C)")
+    parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -4,10 +4,11 @@ At C=1 the bare loop calls ``llm.generate([prompt])`` per prompt; at C=N it hand
 ``llm.generate`` (vLLM batches them, as our closed loop with N clients does). Rounds alternate bare/ours and
 the median tok/s over rounds is compared. Target: overhead <= 3%.
 
-Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/harness_overhead.py [--num-prompts 16]
+Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/harness_overhead.py [--num-prompts 8]
 Writes bench/results/harness_overhead.json (a run record).
 """
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ def main(args):
                                           "over alternating rounds",
                                 "overhead_pct": "100 * (1 - harness tok/s / bare LLM.generate tok/s)"},
                                "greedy, ignore_eos, fixed output length"),
-        results={"rows": rows, "target_overhead_pct": 3.0},
+        results={"rows": rows, "target_overhead_pct": 3.0, "load_avg_1m_end": os.getloadavg()[0]},
     )
     out = record.write(Path(__file__).parent / "results" / "harness_overhead.json")
     print(f"wrote {out}")
@@ -81,7 +82,7 @@ def main(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     main(parser.parse_args())

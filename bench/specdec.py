@@ -9,9 +9,12 @@ and every K interleaved. Writes bench/results/specdec.json (a RunRecord with one
 import argparse
 import copy
 import os
+import sys
 from pathlib import Path
 
-import torch
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # as a script, bench/specdec.py must not shadow specdec/
+
+import torch  # noqa: E402
 
 from evals.data import PROMPT_FILES, data_file, read_jsonl
 from evals.record import RunRecord

@@ -82,13 +82,13 @@ def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backe
                                           data_dir, seed)
         warmup = warm_up(backend, load.kind)
         try:
-            before = backend.spec_counters()
+            before = backend.spec_counters(load.kind)
             if load.kind == "closed":
                 results = backend.closed_loop(requests, load.concurrency, progress)
             else:
                 offsets = arrival_offsets(len(requests), load.rate, load.burstiness, load.seed)
                 results = backend.open_loop(requests, offsets, progress)
-            after = backend.spec_counters()
+            after = backend.spec_counters(load.kind)
         except EngineFailure as exc:
             backend.close()
             return BenchResult(_record(config, backend, workload, load, source, requests, [], warmup, ignore_eos,

@@ -1,12 +1,13 @@
 """Eval results cached on disk so re-running a configuration is free.
 
 One JSON file per (model weights hash, scheme, method, KV spec, backend, dtype, task, limit, fewshot) under
-``$QUANTSPEC_HOME/eval-cache/``, written atomically. Bump ``CACHE_VERSION`` when scoring changes.
+``$QUANTSPEC_HOME/eval-cache/`` (or ``$QUANTSPEC_EVAL_CACHE``), written atomically. Bump ``CACHE_VERSION`` when scoring changes.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class CacheKey:
 
 
 def cache_dir() -> Path:
-    return quantspec_home() / "eval-cache"
+    return Path(os.environ.get("QUANTSPEC_EVAL_CACHE") or quantspec_home() / "eval-cache")
 
 
 def cache_path(key: CacheKey) -> Path:

@@ -8,6 +8,7 @@ disk -> paired bootstrap floor and flips per task -> KL / top-1 agreement / perp
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ def register_backend(name: str):
 @dataclass
 class EvalConfig:
     model: str = "default"  # `default`, a HF dir, or a compressed-tensors checkpoint dir
+    reference_model: str | None = None  # unquantized model to compare with (default: ``model`` itself)
     scheme: str | None = None  # weight scheme for quant.quantize (native); None = as stored
     method: str = "rtn"
     kv: str | None = None  # KV cache spec (quant.kvcache); vLLM: its kv_cache_dtype
@@ -73,11 +75,12 @@ class EvalConfig:
 
     @property
     def quantized(self) -> bool:
-        return bool(self.scheme or self.kv or self.backend != "native")
+        return bool(self.scheme or self.kv or self.backend != "native" or self.reference_model)
 
     def reference_config(self) -> "EvalConfig":
-        return EvalConfig(**{**self.fields(), "scheme": None, "method": "rtn", "kv": None, "backend": "native",
-                             "floor": None, "reference": False, "fidelity_windows": 0})
+        return EvalConfig(**{**self.fields(), "model": self.reference_model or self.model, "reference_model": None,
+                             "scheme": None, "method": "rtn", "kv": None, "backend": "native", "floor": None,
+                             "reference": False, "fidelity_windows": 0})
 
     def fields(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -220,8 +223,20 @@ def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int =
                                    verbosity="ERROR")
 
 
-def score_tasks(config: EvalConfig, manager, model_hash: str, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
+@functools.lru_cache(maxsize=8)
+def _hash_of(path: str, mtime: float) -> str:
+    return weights_hash(Path(path))
+
+
+def model_weights_hash(model: str) -> str:
+    """``weights_hash`` of a model argument, computed once per process and checkpoint version."""
+    path = resolve_model(model)
+    return _hash_of(str(path), max((f.stat().st_mtime for f in path.glob("*.safetensors")), default=0.0))
+
+
+def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
     """Per-task results for ``config``, from the cache where present; the model is built only on a miss."""
+    model_hash = model_weights_hash(config.model)
     keys = {t: cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
                               config.kv or "none", config.backend, config.dtype, t, config.limit, config.fewshot)
             for t in config.tasks}
@@ -277,7 +292,7 @@ def _fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None
         return None
     from quant.loading import load_model
 
-    ref = load_model(config.model, config.dtype)
+    ref = load_model(config.reference_model or config.model, config.dtype)
     test = load_model(config.model, config.dtype)
     if config.scheme:
         quantize_loaded(test, config.scheme, config.method, config.calib)
@@ -289,9 +304,10 @@ def _fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None
 def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str) -> FidelityStats | None:
     if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
         return None
+    reference = f"_ref{model_weights_hash(config.reference_model)}" if config.reference_model else ""
     key = cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
                          config.kv or "none", config.backend, config.dtype,
-                         f"_fidelity_wikitext2_ctx{config.fidelity_ctx}", config.fidelity_windows, 0)
+                         f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)
     hit = cache.load(key)
     if hit is not None:
         return FidelityStats(**hit)
@@ -305,9 +321,9 @@ def evaluate(config: EvalConfig, lm_factory: Callable | None = None) -> EvalRepo
     data_dir = find_data_dir(config.data_dir, required=False)
     manager = task_manager(config.tasks, data_dir, config.include_path)
     path = resolve_model(config.model)
-    model_hash = weights_hash(path)
-    tests = score_tasks(config, manager, model_hash, lm_factory)
-    refs = score_tasks(config.reference_config(), manager, model_hash) if config.reference and config.quantized else {}
+    model_hash = model_weights_hash(config.model)
+    tests = score_tasks(config, manager, lm_factory)
+    refs = score_tasks(config.reference_config(), manager) if config.reference and config.quantized else {}
     if config.reference and not config.quantized:
         refs = tests  # the configuration is the reference
     comparison = compare(config, tests, refs)

@@ -64,6 +64,7 @@ def eval_command(
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16."),
     fidelity_windows: int = typer.Option(4, "--fidelity-windows", help="WikiText-2 windows for KL/PPL (0 = off)."),
+    reference_model: str = typer.Option(None, "--reference", help="Unquantized model to compare a checkpoint with."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the unquantized reference run."),
     include_path: list[str] = typer.Option([], "--include-path", help="Extra lm-eval task folder(s)."),
     json_out: str = typer.Option(None, "--json", help="Write lm-eval-shaped results + run record here."),
@@ -72,7 +73,7 @@ def eval_command(
     """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
     config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, tasks=tasks, limit=limit,
                         fewshot=fewshot, floor=floor, confidence=confidence, seed=seed, data_dir=data_dir,
-                        include_path=tuple(include_path), dtype=dtype, reference=not no_reference,
+                        include_path=tuple(include_path), dtype=dtype, reference=not no_reference, reference_model=reference_model,
                         fidelity_windows=fidelity_windows)
     report = evaluate(config)
     print_report(report)

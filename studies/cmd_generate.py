@@ -57,7 +57,8 @@ def demo(
     new_tokens: int = typer.Option(64, help="Fixed output length of the decode comparison."),
     out: str = typer.Option("runs/demo-decode.json", help="Run record JSON."),
 ):
-    """The main job on the default model: answer a question, then native vs HF decode speed."""
+    """The main job on the default model: answer a question, native vs HF decode speed, then a small
+    speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
     from evals.decode_speed import compare_decode
 
     generate(prompt="What is the capital of France?", model="default", dtype="fp32", max_new_tokens=32,
@@ -66,3 +67,6 @@ def demo(
     print_decode_comparison(record)
     record.write(out)
     console.print(f"run record: {out}")
+    from studies.cmd_search import demo_search
+
+    demo_search()

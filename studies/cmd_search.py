@@ -37,6 +37,22 @@ def _split(text: str | None) -> list[str] | None:
     return None if text is None else [p.strip() for p in text.split(",") if p.strip()]
 
 
+def search_with_progress(settings: SearchSettings, evaluator, console: Console):
+    """``run_search`` under a rich progress bar showing the study-wide finished count and the last trial."""
+    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console) as bar:
+        task = bar.add_task("starting", total=settings.n_trials)
+
+        def on_trial(study, trial):
+            attrs = trial.user_attrs
+            what = attrs.get("pruned_reason") or attrs.get("error") or \
+                (f"{attrs['speed']['tok_s']:.1f} tok/s" if "speed" in attrs else "")
+            bar.update(task, completed=len(finished_trials(study)),
+                       description=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
+
+        return run_search(settings, evaluator, on_trial=on_trial)
+
+
 def report(summary: StudySummary, console: Console, csv: str | None, png: str | None, json_out: str | None) -> None:
     console.print(rich_table(summary))
     for line in footer_lines(summary):
@@ -93,19 +109,7 @@ def search(
     console = _console()
     trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
                                     output_len=new_tokens)
-    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, transient=False) as bar:
-        task = bar.add_task("starting", total=n_trials)
-
-        def on_trial(study, trial):
-            attrs = trial.user_attrs
-            what = attrs.get("pruned_reason") or attrs.get("error") or \
-                (f"{attrs['speed']['tok_s']:.1f} tok/s" if "speed" in attrs else "")
-            bar.update(task, completed=len(finished_trials(study)),
-                       description=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
-
-        outcome = run_search(settings, trial_evaluator, on_trial=on_trial)
-        bar.update(task, completed=len(finished_trials(outcome.study)))
+    outcome = search_with_progress(settings, trial_evaluator, console)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
     console.print(f"study {outcome.study.study_name!r} in {storage_url(storage, study_dir)}; this worker ran "
@@ -126,3 +130,19 @@ def pareto(
     if storage is None and not (study_dir / "study.db").exists():
         raise UserError(f"no study storage at {study_dir / 'study.db'}: pass --storage URL or run `quantspec search`")
     report(load_summary(storage_url(storage, study_dir), study_name), _console(), csv, png, json_out)
+
+
+DEMO_DIR = Path("runs/demo")
+
+
+def demo_search(n_trials: int = 8, data_dir: str | None = None) -> StudySummary:
+    """The small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the default model, a fresh study in
+    runs/demo/study.db, then the table, CSV, JSON and PNG under runs/demo/."""
+    console = _console()
+    console.rule("speed/quality search (studies/spaces/demo.yaml)")
+    settings = SearchSettings(space=load_space("demo"), n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
+    evaluator = get_evaluator("real", data_dir=data_dir, limit=100, num_prompts=3, output_len=48)
+    outcome = search_with_progress(settings, evaluator, console)
+    summary = summarize(outcome.study)
+    report(summary, console, str(DEMO_DIR / "pareto.csv"), str(DEMO_DIR / "pareto.png"), str(DEMO_DIR / "pareto.json"))
+    return summary

@@ -201,6 +201,7 @@ def check_lossless(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
     dtype: str = typer.Option("fp32"),
+    threads: int = typer.Option(None, help="torch threads (1 is fastest on a busy 2-core machine)."),
     min_p_value: float = typer.Option(1e-3, help="A chi-square p-value below this fails the check."),
     json_out: str = typer.Option(None, "--json"),
     data_dir: str = DataDirOption,
@@ -208,7 +209,7 @@ def check_lossless(
     """Greedy token equality with plain decoding + chi-square/TV of sampled first steps; exit 1 on failure."""
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     check_k(k)
-    lm = load_model(target, dtype)
+    lm = load_model(target, dtype, threads)
     ids = prompt_ids(lm, load_prompts(prompts, data_dir, max(limit, prefixes)))
     max_len = max(len(p) for p in ids) + max_new_tokens + MAX_K + 1
     spec = SpeculativeDecoder(lm, draft, k, SamplingConfig(), max_len)

@@ -96,10 +96,12 @@ class RealEvaluator:
     the native runtime in bf16, as served, against the unquantized bf16 reference on the same items; paired
     bootstrap floor; WikiText-2 KL). vLLM points reuse the native quality of the same scheme, method and KV.
 
-    Floors are ``evals.floor.Floor`` texts: ``0.99`` (relative to the reference) or ``abs:0.40``. The quality
-    value is ``floor + lower CI bound of the floor margin`` (divided by the reference accuracy for relative
-    floors; the worst task when several), so ``floor - value <= 0`` exactly when the verdict is pass; for a
-    relative floor it reads as the retained fraction of reference accuracy at the CI's lower end."""
+    Floors are ``evals.floor.Floor`` texts: ``0.99`` (relative to the reference) or ``abs:0.40``. evals passes a
+    configuration iff the lower CI bound of the margin m (acc - f * acc_ref, or acc - a) is >= 0. The quality
+    value is ``f + lower bound of m / acc_ref`` (``a + lower bound of m`` for absolute floors; the worst task
+    when several), so ``floor - value <= 0`` exactly when the verdict is pass. For a relative floor it reads as
+    the share of reference accuracy kept at the CI's lower end (the reference itself scores a little below 1,
+    because the bootstrap of m = (1 - f) * acc has width)."""
 
     default_floor = "0.98"
 

@@ -216,6 +216,7 @@ class SearchOutcome:
 
 def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=None) -> SearchOutcome:
     """Run (or resume, or join) a study until it holds ``n_trials`` finished trials."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # outcomes and errors are user attrs shown by our table
     if settings.floor is not None:
         settings.floor = str(settings.floor)
         evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
@@ -224,7 +225,6 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
     outcome = SearchOutcome(study, recover_stale_trials(study))
     runner = TrialRunner(study, settings, evaluator)
     deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
     callbacks = [on_trial] if on_trial is not None else []
     while len(finished_trials(study)) < settings.n_trials and (deadline is None or time.monotonic() < deadline):
         study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)

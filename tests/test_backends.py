@@ -147,3 +147,19 @@ def test_native_end_to_end_default_model():
     assert not base.failed and base.summary["output_tokens"] == 48 and base.effective_tok_s > 1
     assert spec.summary["greedy_match_baseline"] == 1.0 and spec.alpha is not None and spec.speedup
     assert base.record.model.note  # the Q4_1 caveat travels with default-model results
+
+
+def test_vllm_translation_and_serve_command(tiny_llama_dir):
+    import json
+
+    from evals.backends.vllm_engine import engine_kwargs
+    from evals.backends.vllm_server import serve_args
+
+    kwargs = engine_kwargs(ServingConfig(str(tiny_llama_dir), backend="vllm", kv="fp8", spec="ngram:min=2,max=4",
+                                         k=3, max_model_len=512))
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                            "prompt_lookup_min": 2}
+    assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["enforce_eager"] and kwargs["dtype"] == "bfloat16"
+    cmd = serve_args(kwargs, 8123)
+    assert cmd[cmd.index("--port") + 1] == "8123" and "--enforce-eager" in cmd and "--disable-log-stats" not in cmd
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 3

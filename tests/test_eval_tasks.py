@@ -64,8 +64,3 @@ def test_missing_data_file_names_file_and_dir(tmp_path):
 
     with pytest.raises(UserError, match=r"piqa/valid.jsonl.*" + str(tmp_path)):
         get_task_dict(["piqa"], task_manager(("piqa",), tmp_path))
-
-
-def test_unknown_task_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="unknown task"):
-        task_manager(("no_such_task",), tmp_path)

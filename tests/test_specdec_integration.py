@@ -5,6 +5,7 @@ from evals.data import load_prompts
 from quant.loading import load_model
 from specdec.generate import Decoder, encode_prompt
 from specdec.speculative import SpeculativeDecoder
+from test_specdec import one_thread  # noqa: F401  (autouse: one torch thread, restored afterwards)
 
 pytestmark = pytest.mark.integration
 

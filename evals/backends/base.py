@@ -157,8 +157,8 @@ class Backend:
                   ) -> list[RequestResult]:
         raise NotImplementedError
 
-    def spec_counters(self) -> SpecCounters | None:
-        """Cumulative proposer counters (None when this engine does not speculate)."""
+    def spec_counters(self, load_kind: str = "closed") -> SpecCounters | None:
+        """Cumulative proposer counters of the engine serving ``load_kind`` (None when it does not speculate)."""
         return None
 
     def peak_rss_bytes(self) -> int:
@@ -187,10 +187,11 @@ BACKENDS: dict[str, type[Backend]] = {}
 
 
 def register_backend(name: str):
+    """Class decorator: make a Backend subclass available as ``--backend name``."""
     def deco(cls: type[Backend]) -> type[Backend]:
+        assert name not in BACKENDS, f"backend {name!r} registered twice"
         cls.name = name
-        BACKENDS[name] = cls
-        return cls
+        return BACKENDS.setdefault(name, cls)
 
     return deco
 

@@ -115,7 +115,7 @@ class NativeBackend(Backend):
                 progress(results[-1])
         return results
 
-    def spec_counters(self) -> SpecCounters | None:
+    def spec_counters(self, load_kind: str = "closed") -> SpecCounters | None:
         return self.counters
 
     def peak_rss_bytes(self) -> int:

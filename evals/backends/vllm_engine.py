@@ -268,11 +268,11 @@ class VllmBackend(Backend):
     def engine_for(self, load_kind: str) -> str:
         return "vllm serve" if load_kind == "open" else "in-process LLM"
 
-    def spec_counters(self) -> SpecCounters | None:
+    def spec_counters(self, load_kind: str = "closed") -> SpecCounters | None:
         if not self.config.speculative:
             return None
-        if self._server is not None and self._server.active:
-            return self._server.spec_counters()
+        if load_kind == "open":
+            return self.server.spec_counters()
         return counters_from_metrics(self.llm.get_metrics())
 
     def peak_rss_bytes(self) -> int:

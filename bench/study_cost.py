@@ -1,0 +1,131 @@
+"""Wall time of an N-trial search on the default model, and where it goes: quality evals, engine starts,
+speed runs, greedy-equality checks, and the rest (Optuna, storage, pruned points).
+
+Usage: flock /tmp/qs-bench.lock python bench/study_cost.py [--n-trials 30] [--space default] [--limit 200]
+Quality is cached per model transformation inside the study and on disk by evals (a second run of this script
+finds every eval cached); the record states how many quality evals were computed vs served from the cache.
+Writes bench/results/study_cost.json (a full run record) and prints the breakdown.
+"""
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from quant.model_store import SMOLLM2, resolve_model, weights_hash
+from studies.objective import get_evaluator
+from studies.pareto import footer_lines, rich_table, summarize
+from studies.search import SearchSettings, finished_trials, run_search
+from studies.space import load_space
+
+
+class TimedEvaluator:
+    """Delegates to the real evaluator and accumulates seconds per kind of work."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.default_floor = inner.default_floor
+        self.seconds = {"quality": 0.0, "engine_start": 0.0, "speed_run": 0.0, "greedy_check": 0.0}
+        self.counts = {"quality": 0, "speed": 0, "greedy_check": 0}
+
+    def floor_value(self, floor):
+        return self.inner.floor_value(floor)
+
+    def prepare(self, space, floor):
+        self.inner.prepare(space, floor)
+
+    def _timed(self, kind: str, fn, config):
+        t = time.perf_counter()
+        try:
+            return fn(config)
+        finally:
+            self.seconds[kind] += time.perf_counter() - t
+            self.counts[kind] += 1
+
+    def quality(self, config):
+        return self._timed("quality", self.inner.quality, config)
+
+    def speed(self, config):
+        t = time.perf_counter()
+        try:
+            result = self.inner.speed(config)
+        except Exception:
+            self.seconds["engine_start"] += time.perf_counter() - t  # refused at engine start (pruned/failed)
+            raise
+        self.seconds["engine_start"] += result.extra["engine_start_s"]
+        self.seconds["speed_run"] += result.extra["bench_s"]
+        self.counts["speed"] += 1
+        return result
+
+    def greedy_tokens(self, config):
+        """Inner calls (the non-speculative twin's run when not yet measured) count here, not under speed."""
+        return self._timed("greedy_check", self.inner.greedy_tokens, config)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-trials", type=int, default=30)
+    parser.add_argument("--space", default="default")
+    parser.add_argument("--limit", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
+    args = parser.parse_args()
+
+    evaluator = TimedEvaluator(get_evaluator("real", limit=args.limit, num_prompts=args.prompts,
+                                             output_len=args.new_tokens))
+    space = load_space(args.space)
+    with tempfile.TemporaryDirectory() as study_dir:
+        settings = SearchSettings(space=space, n_trials=args.n_trials, study_dir=Path(study_dir), seed=args.seed)
+        t0 = time.perf_counter()
+        outcome = run_search(settings, evaluator)
+        wall = time.perf_counter() - t0
+        summary = summarize(outcome.study)
+        states = [t.state.name for t in outcome.study.get_trials(deepcopy=False)]
+        n_finished = len(finished_trials(outcome.study))
+    seconds = dict(evaluator.seconds)
+    seconds["other"] = wall - sum(seconds.values())
+    console = Console(width=200)
+    console.print(rich_table(summary))
+    for line in footer_lines(summary):
+        console.print(line)
+    table = Table(title=f"{args.n_trials}-trial search on the default model: {wall / 60:.1f} min wall (target <= 20)")
+    for col in ("where", "seconds", "share", "calls"):
+        table.add_column(col, justify="right")
+    calls = {"quality": evaluator.counts["quality"], "engine_start": evaluator.counts["speed"],
+             "speed_run": evaluator.counts["speed"], "greedy_check": evaluator.counts["greedy_check"]}
+    for name, sec in seconds.items():
+        table.add_row(name, f"{sec:.0f}", f"{100 * sec / wall:.0f}%", str(calls.get(name, "")))
+    console.print(table)
+    cache_hits = sum(1 for r in summary.rows if r.duplicate_of is not None)
+    record = RunRecord(
+        name="study-cost",
+        model=ModelCondition("default", weights_hash(resolve_model("default")), "bf16 runtime (native backend)",
+                             note=SMOLLM2.note),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(args.prompts, {"source": "first Spec-Bench prompts, chat template"},
+                                   {"fixed": args.new_tokens}, "spec_bench (speed) + arc_easy "
+                                   f"limit {args.limit} (quality)", True),
+        arrival=ArrivalProcess("batch-1 sequential", 1),
+        engine=EngineCondition("native (per trial: load + quantize + bench)", {
+            "space": space.to_dict(), "sampler": settings.sampler, "seed": args.seed, "storage": "sqlite (temp dir)"},
+            warmup="run_benchmark warms each engine on a non-workload prompt",
+            cache_warmth="eval results cached on disk by evals (a warm cache makes quality nearly free)"),
+        metric=MetricCondition(
+            {"wall_s": "time.perf_counter around run_search (study open to last trial)",
+             "quality": "seconds inside evaluator.quality (lm-eval + fidelity), distinct transformations only",
+             "engine_start": "open_backend: model load + quantization (+ pruned points refused at start)",
+             "speed_run": "run_benchmark on an open engine (warm-up + measured requests)",
+             "greedy_check": "greedy-equality checks of sampled speculative trials (their non-spec twin runs)",
+             "other": "wall minus the above: Optuna sampling, storage, invalid-point checks"},
+            "trials counted when complete, pruned or failed by their own error"),
+        results={"wall_s": wall, "seconds": seconds, "calls": calls, "n_finished": n_finished,
+                 "states": {s: states.count(s) for s in set(states)}, "duplicates_reused": cache_hits,
+                 "target_wall_s": 1200, "within_target": wall <= 1200},
+    )
+    print(f"wrote {record.write(args.out)}")

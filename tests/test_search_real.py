@@ -1,0 +1,36 @@
+"""The shipped evaluator end to end on the real default model (tiny settings): speed via the bench harness,
+quality via evals.evaluate, the greedy-equality check of a speculative trial, and the table caveat."""
+import pytest
+
+from studies.objective import get_evaluator
+from studies.pareto import footer_lines, summarize
+from studies.search import SearchSettings, open_study, run_search
+from studies.space import SearchSpace, TrialConfig
+
+pytestmark = pytest.mark.integration
+
+
+def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    space = SearchSpace(weights=["none", "w4g32-asym"], methods=["rtn"], proposers=["none", "ngram:min=2,max=4"],
+                        k=(2, 2))
+    settings = SearchSettings(space=space, floor="0.9", n_trials=3, study_name="real", create=True,
+                              study_dir=tmp_path, sampler="random", exact_fraction=1.0)
+    spec = TrialConfig(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
+    open_study(settings).enqueue_trial(SearchSpace.params_of(spec))
+    evaluator = get_evaluator("real", limit=12, num_prompts=1, output_len=24, fidelity_windows=1)
+    study = run_search(settings, evaluator).study
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    ref, spec_trial = trials[0], trials[1]
+    assert ref.state.name == "COMPLETE" and spec_trial.state.name == "COMPLETE"
+    quality = ref.user_attrs["quality"]
+    assert quality["passes"] and quality["value"] >= 0.9 and quality["flips"] == 0 and quality["delta"] == 0
+    assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
+    assert ref.user_attrs["speed"]["tok_s"] > 0 and ref.user_attrs["record"]["engine"]["backend"] == "native"
+    speed = spec_trial.user_attrs["speed"]
+    assert 0 <= speed["alpha"] <= 1 and speed["tau"] >= 1
+    check = spec_trial.user_attrs["exact_check"]
+    assert check["n_prompts"] == 1 and check["equal"], check  # exact verification: same greedy output
+    summary = summarize(study)
+    row = next(r for r in summary.rows if r.number == 1)
+    assert "q4_1" in row.notes and any("Q4_1" in line for line in footer_lines(summary))
