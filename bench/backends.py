@@ -3,7 +3,7 @@
 peak-memory numbers, one engine serving both load levels); the parent prints the table and the ngram speedup
 over bf16 of the same backend at the same load.
 
-Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/backends.py [--num-prompts 8] [--output-len 48]
+Usage: flock /tmp/qs-bench.lock flock /tmp/qs-vllm.lock python bench/backends.py [--num-prompts 6] [--output-len 32]
 Writes bench/results/backends.json (every run record + the table).
 """
 import argparse
@@ -13,6 +13,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+# bench/ holds scripts named like our packages (bench/specdec.py): import the packages, not the scripts
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 CONFIGS = {  # name -> ServingConfig fields
     "bf16": {},
@@ -104,8 +107,8 @@ def print_table(rows) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per run (at least C at concurrency C)")
-    parser.add_argument("--output-len", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=6, help="prompts per run (at least C at concurrency C)")
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

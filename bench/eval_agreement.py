@@ -9,6 +9,7 @@ SmolLM2-135M-Instruct numbers are listed for context (see the README for why the
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import multiprocessing
 import time
@@ -32,7 +33,7 @@ PUBLISHED = {"hellaswag": 40.9, "arc_avg": 37.3, "piqa": 66.3}
 
 
 def run_backend(name: str, tasks: list[str], limit: int, data_dir: str | None, hf_batch_size: int) -> tuple:
-    """One backend in its own process with one torch thread (the two run side by side)."""
+    """One backend on some tasks in its own process with one torch thread (all pairs run side by side)."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
@@ -56,19 +57,29 @@ def main() -> None:
     ap.add_argument("--tasks", default="arc_easy,piqa,hellaswag")
     ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--workers", type=int, default=2, help="(backend, task) pairs scored at once, 1 thread each.")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="bench/results/eval_agreement.json")
+    ap.add_argument("--merge", action="store_true", help="Keep other tasks already in --out (same limit).")
     args = ap.parse_args()
     tasks = args.tasks.split(",")
-    rows, items, seconds = {}, {}, {}
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(run_backend, name, tasks, args.limit, args.data_dir, args.hf_batch_size)
-                   for name in ("native", "hf")}
-        for name, future in futures.items():
-            rows[name], items[name], seconds[name] = future.result()
-            print(f"{name}: {seconds[name]}", flush=True)
+    rows, items, seconds = {"native": {}, "hf": {}}, {"native": {}, "hf": {}}, {}
+    jobs = [(name, task) for task in tasks for name in ("native", "hf")]
+    with ProcessPoolExecutor(min(args.workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {job: pool.submit(run_backend, job[0], [job[1]], args.limit, args.data_dir, args.hf_batch_size)
+                   for job in jobs}
+        for (name, task), future in futures.items():
+            row, item, seconds[f"{name}/{task}"] = future.result()
+            rows[name].update(row)
+            items[name].update(item)
+            print(f"{name} {task}: {seconds[f'{name}/{task}']}", flush=True)
 
-    results = {"tasks": {}, "seconds": seconds, "published": PUBLISHED}
+    results = {"limit": args.limit, "tasks": {}, "seconds": seconds, "published": PUBLISHED}
+    previous = Path(args.out)
+    if args.merge and previous.exists():  # add these tasks to an earlier run at the same limit
+        old = json.loads(previous.read_text())["results"]
+        if old.get("limit") == args.limit:
+            results["tasks"], results["seconds"] = old["tasks"], {**old["seconds"], **results["seconds"]}
     table = Table(title=f"default model fp32, lm-eval 0-shot, first {args.limit} docs per task")
     for col in ("task", "native acc %", "hf acc %", "|Δ| pts", "stderr pts", "within 1 se", "items differing",
                 "native acc_norm %", "hf acc_norm %"):
@@ -85,18 +96,18 @@ def main() -> None:
                       f"{100 * nat['acc_norm,none']:.1f}", f"{100 * hf['acc_norm,none']:.1f}")
     console = Console()
     console.print(table)
-    console.print(f"time (1 torch thread each, run side by side): {seconds}; published (lighteval): {PUBLISHED}")
+    console.print(f"time (1 torch thread per job, {args.workers} jobs at once): {seconds}; published (lighteval): {PUBLISHED}")
     record = RunRecord(
         name="eval agreement: native vs lm-eval hf backend",
         model=ModelCondition(SMOLLM2.name, weights_hash(resolve_model("default")), "fp32", note=SMOLLM2.note),
         hardware=hardware_info(),
-        lengths=LengthDistribution(sum(r["n"] for r in results["tasks"].values()), {"tasks": tasks},
+        lengths=LengthDistribution(sum(r["n"] for r in results["tasks"].values()), {"tasks": list(results["tasks"])},
                                    {"scored": "loglikelihood of each choice"}, f"local lm-eval tasks, limit {args.limit}",
                                    True),
         arrival=ArrivalProcess(kind="offline scoring"),
         engine=EngineCondition("native vs hf", {"native": "batch 1, shared-prefix KV reuse",
                                                 "hf": f"HFLM batch_size {args.hf_batch_size}",
-                                                "threads": "1 torch thread per backend, both in parallel"},
+                                                "threads": f"1 torch thread per (backend, task), {args.workers} at once"},
                                warmup="none (accuracy)", cache_warmth="n/a"),
         metric=MetricCondition({"acc": "lm-eval acc", "within_1se": "|acc_native - acc_hf| <= max stderr",
                                 "items_differing": "documents whose acc differs between backends"},

@@ -5,6 +5,7 @@ Usage: flock /tmp/qs-bench.lock python bench/quant_decode.py [--new-tokens 128] 
 Writes bench/results/quant_decode.json (a full run record). Targets: int8 >= 2x fp32, int4 >= 2.5x fp32.
 """
 import argparse
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def run(model: str, new_tokens: int, repeats: int) -> RunRecord:
                              "weights, scales and the tied bf16/fp32 LM head)",
              "vs_fp32": "decode tok/s / fp32 decode tok/s in the same run"},
             "greedy, ignore_eos, fixed output length; speed only (quality: quantspec quantize / bench/quant_quality.py)"),
-        results={"bandwidth_gb_s": bandwidth / 1e9, "rows": rows},
+        results={"bandwidth_gb_s": bandwidth / 1e9, "load_average_1_5_15": os.getloadavg(), "rows": rows},
     )
 
 
@@ -77,7 +78,8 @@ def print_table(record: RunRecord) -> None:
                       f"{r['vs_fp32']:.2f}x", target, f"{r['bytes_per_token'] / 2**20:.0f}", f"{r['roofline_pct']:.0f}%")
     Console().print(table)
     Console().print(f"read bandwidth {record.results['bandwidth_gb_s']:.1f} GB/s, "
-                    f"{record.engine.config['threads']} torch threads")
+                    f"{record.engine.config['threads']} torch threads, "
+                    f"load average at the end {record.results['load_average_1_5_15'][0]:.1f}")
 
 
 if __name__ == "__main__":

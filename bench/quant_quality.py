@@ -9,6 +9,8 @@ Writes bench/results/quant_quality.json (a full run record).
 """
 import argparse
 import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +31,9 @@ METHODS = ("rtn", "mse", "gptq", "awq")
 console = Console()
 
 
-def evaluate(args, calib, scheme=None, method=None) -> dict:
+def evaluate(args, calib, config: tuple[str, str] | None = None) -> dict:
+    set_threads(args.threads)
+    scheme, method = config or (None, None)
     lm = load_model(args.model, "fp32")
     row = {"scheme": scheme or "fp32", "method": method or "-", "quantize_s": 0.0, "kernels": {}}
     if scheme:
@@ -80,15 +84,16 @@ def main():
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--calib-seqlen", type=int, default=512)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a busy box)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per job (1 is fastest on a busy box)")
+    parser.add_argument("--jobs", type=int, default=1, help="configurations evaluated in parallel processes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_quality.json"))
     args = parser.parse_args()
-    set_threads(args.threads)
     calib = CalibConfig("wikitext2", args.calib_samples, args.calib_seqlen, data_dir=args.data_dir)
     methods = args.methods.split(",")
     t_start = time.perf_counter()
-    fp32 = evaluate(args, calib)
-    rows = [evaluate(args, calib, scheme, m) for scheme in (*SCHEMES, NEAR_LOSSLESS) for m in methods]
+    configs = [None] + [(scheme, m) for scheme in (*SCHEMES, NEAR_LOSSLESS) for m in methods]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        fp32, *rows = pool.map(partial(evaluate, args, calib), configs)
     stride = f"stride {args.stride}" if args.stride else "non-overlapping windows"
     caption = (f"ctx {args.ctx}, {stride}, first {args.max_windows} windows ({fp32['n_tokens']} scored tokens); "
                f"calibration {calib.label} (WikiText-2 valid, tokenized release); one-pass statistics")
@@ -109,7 +114,8 @@ def main():
         metric=MetricCondition({"ppl": "exp(mean NLL) over every token after the first of each window",
                                 "quantize_s": "wall time of quantize_model incl. calibration (shared CPU)"},
                                "same windows for every row; fp32 row is the reference"),
-        results={"rows": [fp32, *rows], "total_s": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads()},
+        results={"rows": [fp32, *rows], "total_s": time.perf_counter() - t_start, "jobs": args.jobs,
+                 "torch_threads_per_job": args.threads or torch.get_num_threads()},
     )
     console.print(f"wrote {record.write(args.out)}")
 

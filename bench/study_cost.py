@@ -83,7 +83,10 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as study_dir:
         settings = SearchSettings(space=space, n_trials=args.n_trials, study_dir=Path(study_dir), seed=args.seed)
         t0 = time.perf_counter()
-        outcome = run_search(settings, evaluator)
+        outcome = run_search(settings, evaluator, on_trial=lambda study, trial: print(
+            f"[{time.perf_counter() - t0:7.0f} s] #{trial.number} {trial.state.name:8s} "
+            f"{trial.user_attrs.get('label', '')}: {({k: round(v) for k, v in evaluator.seconds.items()})}",
+            flush=True))
         wall = time.perf_counter() - t0
         summary = summarize(outcome.study)
         states = [t.state.name for t in outcome.study.get_trials(deepcopy=False)]

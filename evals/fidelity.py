@@ -55,13 +55,25 @@ def _window_logits(lm, tokens: torch.Tensor, cache_factory) -> torch.Tensor:
     return lm.model(tokens[None], torch.arange(tokens.numel()))[0]
 
 
+def _leading_tokens(tokenizer, text: str, need: int) -> list[int]:
+    """Tokens of the first lines of ``text`` (at least ``need`` + a margin): the same ids the whole text starts
+    with, since the cut is at a line end, without tokenizing all of it."""
+    n_chars = 8 * need
+    while True:
+        prefix = text if n_chars >= len(text) else text[: text.rfind("\n", 0, n_chars) + 1]
+        ids = tokenizer.encode(prefix, add_special_tokens=False)
+        if len(ids) > need + 64 or len(prefix) == len(text):
+            return ids
+        n_chars *= 2
+
+
 def wikitext_fidelity(ref_lm, test_lm, data_dir=None, ctx: int = 512, max_windows: int = 4,
                       ref_cache_factory=None, test_cache_factory=None) -> FidelityStats:
     """KL / agreement / perplexity of ``test_lm`` against ``ref_lm`` on the first WikiText-2 test windows."""
     if max_windows < 1:
         raise UserError(f"fidelity windows must be >= 1, got {max_windows}")
-    text = data_file(WIKITEXT2_TEST, data_dir).read_text()
-    ids = torch.tensor(ref_lm.tokenizer.encode(text, add_special_tokens=False))
+    ids = torch.tensor(_leading_tokens(ref_lm.tokenizer, data_file(WIKITEXT2_TEST, data_dir).read_text(),
+                                       ctx * max_windows))
     kls, agrees, nll_ref, nll_test = [], [], 0.0, 0.0
     for w in track(windows(len(ids), ctx)[:max_windows], description="fidelity (KL vs reference)", transient=True):
         tokens = ids[w.begin : w.end]

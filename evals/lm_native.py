@@ -59,7 +59,7 @@ class NativeLM(TemplateLM):
                  cache_factory=None, **_):
         super().__init__()
         if loaded is None:
-            loaded = load_model(pretrained, dtype, threads)
+            loaded = load_model(pretrained, dtype, int(threads) if threads else None)
             if scheme:
                 from evals.harness import quantize_loaded
 

