@@ -35,6 +35,9 @@ class TimedEvaluator:
     def floor_value(self, floor):
         return self.inner.floor_value(floor)
 
+    def describe(self):
+        return self.inner.describe()
+
     def prepare(self, space, floor):
         self.inner.prepare(space, floor)
 

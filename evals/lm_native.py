@@ -30,11 +30,17 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixScorer:
-    """Logits for token sequences at batch 1, reusing the KV cache of the previous sequence's shared prefix."""
+    """Logits for token sequences at batch 1, reusing the KV cache of the previous sequence's shared prefix.
+
+    With a quantized KV cache the context is written first and the scored tokens second, so every request
+    reads its context from the quantized cache (a quantized cache keeps the current write in full precision)
+    whether or not its prefix was already cached.
+    """
 
     def __init__(self, lm: LoadedModel, max_len: int, cache_factory=None):
         self.model = lm.model
         self.model.setup_cache(1, max_len, cache_factory)
+        self.split_context = cache_factory is not None
         self.cached: list[int] = []
         self.forward_tokens = 0  # tokens actually run through the model (for tests and progress)
 
@@ -42,6 +48,10 @@ class PrefixScorer:
     def logits(self, tokens: list[int], first: int) -> torch.Tensor:
         """Logits [len(tokens) - first, V] predicting tokens first+1.. from inputs at positions first.."""
         start = min(_shared_prefix(self.cached, tokens), first)
+        if self.split_context and start < first:
+            self.model(torch.tensor(tokens[start:first])[None], torch.arange(start, first))
+            self.forward_tokens += first - start
+            start = first
         ids = torch.tensor(tokens[start:], dtype=torch.long)[None]
         out = self.model(ids, torch.arange(start, len(tokens)))[0]
         self.cached = list(tokens)

@@ -139,7 +139,7 @@ class _Accumulator:
             m = x.abs().amax(0)
             st.abs_max = m if st.abs_max is None else torch.maximum(st.abs_max, m)
         if "samples" in self.need:
-            pick = torch.randperm(x.shape[0], generator=self.gen)[: self.rows_per_batch]
+            pick = torch.randperm(x.shape[0], generator=self.gen)[: self.rows_per_batch].sort().values
             self.samples.append(x[pick].clone())
 
     def finish(self) -> LayerStats:
@@ -151,7 +151,7 @@ class _Accumulator:
 
 
 class _Stop(Exception):
-    """Raised after the last hooked layer so the rest of the forward (final norm, lm_head) is skipped."""
+    """Raised at the last hooked layer so the rest of the forward (e.g. the lm_head) is skipped."""
 
 
 @torch.inference_mode()
@@ -161,7 +161,7 @@ def collect_layer_stats(lm, batches: list[list[int]], layer_names: list[str],
     """Input statistics of the named Linear layers over the calibration ``batches`` (forward hooks).
 
     Layers fed the very same tensor (q/k/v, gate/up) get one shared ``LayerStats``. ``samples`` keeps about
-    ``max_samples`` random input rows per layer.
+    ``max_samples`` random input rows per layer (in token order within each forward of ``batch_size`` sequences).
     """
     unknown = [k for k in need if k not in STAT_KINDS]
     if unknown:
@@ -179,8 +179,8 @@ def collect_layer_stats(lm, batches: list[list[int]], layer_names: list[str],
     accumulators: dict[str, _Accumulator] = {}
     owner: dict[str, str] = {}  # layer name -> name of the layer whose accumulator it shares
     last: dict = {"x": None, "name": None}
-    order = {name: i for i, name in enumerate(n for n, _ in model.named_modules())}
-    last_layer = max(layer_names, key=order.__getitem__) if "lm_head" not in layer_names else None
+    order = {name: i for i, name in enumerate(modules)}
+    last_layer = max(layer_names, key=order.__getitem__)  # stop the forward once its input is recorded
 
     def hook(name):
         def pre_hook(module, args):

@@ -82,11 +82,6 @@ def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
     return max(candidates, key=lambda k: k.priority)
 
 
-def _bf16_matmul(x: torch.Tensor, op) -> torch.Tensor:
-    """Run ``op`` on bf16 activations and return the caller's dtype."""
-    return op(x.to(FAST_DTYPE)).to(x.dtype)
-
-
 @register_kernel
 class Int8PackKernel(Kernel):
     """Symmetric per-channel int8 weights, bf16 scales [N]: ``y = (x @ q.T) * s``."""
@@ -105,7 +100,7 @@ class Int8PackKernel(Kernel):
         self.register_buffer("scales", scale.reshape(-1).to(FAST_DTYPE).contiguous())
 
     def forward(self, x):
-        return _bf16_matmul(x, lambda xb: torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales))
+        return torch.ops.aten._weight_int8pack_mm(x.to(FAST_DTYPE), self.weight, self.scales).to(x.dtype)
 
     def export(self):
         scale = self.scales[:, None]
@@ -139,8 +134,8 @@ class Int4PackKernel(Kernel):
         self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
 
     def forward(self, x):
-        return _bf16_matmul(x, lambda xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xb, self.weight, self.group_size, self.scales_and_zeros))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(FAST_DTYPE), self.weight, self.group_size,
+                                                          self.scales_and_zeros).to(x.dtype)
 
     def export(self):
         """Codes by running the kernel on the identity with (s, t) = (1, 0): exact small integers."""

@@ -115,6 +115,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
                **predictions(stats, c, curve)}
         row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         row["measured_over_refined"] = row["speedup"] / row["refined_speedup"]
+        row["per_request"] = [{"alpha": r.stats["alpha"], "tau": r.stats["tau"], "tok_s": r.decode_tokens_per_s,
+                                "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results]
         if sampling.greedy:
             row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
         rows.append(row)

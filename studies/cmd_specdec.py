@@ -196,6 +196,7 @@ def check_lossless(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
     samples: int = typer.Option(400, help="Independent first-step samples per prefix for the distribution test."),
     prefixes: int = typer.Option(2, help="Prefixes (the first prompts) for the distribution test."),
+    synthetic_samples: int = typer.Option(20000, help="Samples of the synthetic-vocabulary test (known p, q)."),
     temperature: float = typer.Option(1.0, help="Sampling temperature of the distribution test."),
     top_k: int = typer.Option(0),
     top_p: float = typer.Option(1.0),
@@ -220,7 +221,8 @@ def check_lossless(
         bar.update(task, description="first-step distribution")
         spec.sampling = sampling
         model_tests = [first_step_test(spec, p, samples, tick) for p in ids[:prefixes]]
-    synthetic = {"sampled q": synthetic_test(one_hot=False, seed=seed), "one-hot q": synthetic_test(one_hot=True, seed=seed)}
+    synthetic = {name: synthetic_test(n=synthetic_samples, one_hot=one_hot, seed=seed)
+                 for name, one_hot in (("sampled q", False), ("one-hot q", True))}
     table = Table(title=f"check-lossless {spec.proposer.label}, K={k}, {lm.precision}")
     for col in ("check", "result", "detail"):
         table.add_column(col)

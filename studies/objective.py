@@ -59,6 +59,9 @@ class TrialEvaluator(Protocol):
     def floor_value(self, floor: str) -> float:
         """The number ``QualityResult.value`` is compared with; a floor out of range is a UserError."""
 
+    def describe(self) -> dict:
+        """The settings that decide what a measurement means (stored in the study; joining workers must match)."""
+
     def prepare(self, space: SearchSpace, floor: str) -> None:
         """Check the environment (data, model, floor) once before the first trial; raise UserError."""
 
@@ -117,6 +120,11 @@ class RealEvaluator:
         from evals.floor import Floor
 
         return Floor.parse(floor).value
+
+    def describe(self) -> dict:
+        return {"evaluator": "real", "tasks": self.tasks, "limit": self.limit, "fidelity_windows": self.fidelity_windows,
+                "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
+                "quality_dtype": "bf16", "load": "closed loop, concurrency 1"}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
         from evals.data import find_data_dir

@@ -44,7 +44,8 @@ class Row:
 class StudySummary:
     name: str
     mode: str
-    floor: float
+    floor: str  # as given (e.g. 0.98, abs:0.40)
+    floor_value: float  # the number quality values are compared with
     reference: dict | None
     rows: list[Row]  # every trial
     notes: dict[str, str] = field(default_factory=dict)  # marker -> caveat
@@ -60,7 +61,8 @@ class StudySummary:
         return [r for r in self.rows if r.state in ("PRUNED", "FAIL")]
 
     def to_dict(self) -> dict:
-        return {"study": self.name, "mode": self.mode, "floor": self.floor, "reference": self.reference,
+        return {"study": self.name, "mode": self.mode, "floor": self.floor, "floor_value": self.floor_value,
+                "reference": self.reference,
                 "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
 
 
@@ -99,7 +101,12 @@ def summarize(study: optuna.Study) -> StudySummary:
         for r in rows:
             r.speedup = r.tok_s / ref_rows[0].tok_s if r.tok_s else None
     summary = StudySummary(study.study_name, study.user_attrs.get("mode", "constrained"),
-                           study.user_attrs.get("floor", float("nan")), reference, rows)
+                           str(study.user_attrs.get("floor")), study.user_attrs.get("floor_value", float("nan")),
+                           reference, rows)
+    requeued = {t.system_attrs["failed_trial"]: t.number for t in trials if "failed_trial" in t.system_attrs}
+    for r in rows:
+        if r.state == "FAIL" and not r.reason and r.number in requeued:
+            r.reason = f"its worker died (killed or heartbeat lost); re-queued as #{requeued[r.number]}"
     feasible = [r for r in summary.measured if r.feasible]
     if summary.mode == "pareto":
         front = {t.number for t in study.best_trials}
@@ -217,9 +224,9 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
         ax.plot([r.tok_s for r in front], [r.quality for r in front], "-o", c="tab:orange", label="Pareto front")
     for r in front:
         ax.annotate(r.label, (r.tok_s, r.quality), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.axhline(summary.floor, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
+    ax.axhline(summary.floor_value, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
     ax.set_xlabel("effective output tokens / s")
-    ax.set_ylabel("quality (statistic compared with the floor)")
+    ax.set_ylabel("quality (>= floor passes the paired-bootstrap verdict)")
     ax.set_title(f"{summary.name}: speed vs quality")
     ax.legend(fontsize=8)
     fig.tight_layout()

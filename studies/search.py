@@ -119,6 +119,20 @@ def _check_stored(study: optuna.Study, settings: SearchSettings) -> None:
         setattr(settings, key, value)
 
 
+def _check_evaluator(study: optuna.Study, evaluator: TrialEvaluator) -> None:
+    """Every worker of a study must measure the same way (tasks, items, prompts, lengths); the first one records it."""
+    mine = evaluator.describe()
+    stored = study.user_attrs.get("evaluator")
+    if stored is None:
+        study.set_user_attr("evaluator", mine)
+        study.set_user_attr("floor_value", evaluator.floor_value(study.user_attrs["floor"]))
+    elif stored != mine:
+        diff = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
+        raise UserError(f"study {study.study_name!r} measures with {', '.join(f'{k}={a}' for k, (a, _) in diff.items())}; "
+                        f"this worker would use {', '.join(f'{k}={b}' for k, (_, b) in diff.items())}: pass the same "
+                        "options or start a new study")
+
+
 def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials that count towards --n-trials: complete, pruned, or failed by their own error (not by a dead worker)."""
     return [t for t in study.get_trials(deepcopy=False)
@@ -221,6 +235,7 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
         settings.floor = str(settings.floor)
         evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
     study = open_study(settings, evaluator.default_floor)
+    _check_evaluator(study, evaluator)
     evaluator.prepare(settings.space, settings.floor)
     outcome = SearchOutcome(study, recover_stale_trials(study))
     runner = TrialRunner(study, settings, evaluator)

@@ -180,7 +180,8 @@ def vllm_static_answer(default_model_dir, tmp_path_factory):
 
     runner = Path(__file__).with_name("test_quant_vllm.py")
     lm = load_model(str(default_model_dir), "bf16", threads=1)
-    report = quantize_w8a8(lm, "w8ch-sym_a8t-static", calib=CalibConfig(samples=8, seqlen=256), progress=False)
+    report = quantize_w8a8(lm, "w8ch-sym_a8t-static", calib=CalibConfig(samples=8, seqlen=256), observer="mse",
+                           progress=False)  # minmax static scales lose the answer on this model (bench/act_quality.py)
     out = save_compressed(lm, report, tmp_path_factory.mktemp("vllm-static") / "w8a8-static")
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}

@@ -81,3 +81,14 @@ def test_registered_as_lm_eval_model(tiny_llama_dir):
     res = lm_eval.simple_evaluate(model="quantspec", model_args=f"pretrained={tiny_llama_dir},threads=1",
                                   tasks=["piqa"], limit=3, task_manager=task_manager(("piqa",), data_dir))
     assert res["config"]["model"] == "quantspec" and 0 <= res["results"]["piqa"]["acc,none"] <= 1
+
+
+def test_kv_quantized_scores_do_not_depend_on_prefix_reuse(tiny_llama_dir):
+    quant = NativeLM(pretrained=str(tiny_llama_dir), kv="k4tok-v4tok")
+    ctx = quant.tok_encode("Question: which answer is right?\nAnswer:")
+    first, second = (None, ctx, quant.tok_encode(" yes")), (None, ctx, quant.tok_encode(" no"))
+    after_reuse = quant._loglikelihood_tokens([first, second], disable_tqdm=True)[1][0]
+    alone = quant._loglikelihood_tokens([second], disable_tqdm=True)[0][0]
+    assert after_reuse == pytest.approx(alone, abs=1e-5)  # context always read from the quantized cache
+    dense = NativeLM(loaded=quant.lm)._loglikelihood_tokens([second], disable_tqdm=True)[0][0]
+    assert dense != pytest.approx(alone, abs=1e-4) and dense == pytest.approx(alone, rel=0.2)

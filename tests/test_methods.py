@@ -143,3 +143,52 @@ def test_awq_transform_keeps_fp_model_and_stats_consistent(tiny_lm):
     for name in LINEAR_NAMES:  # the transform rescaled the recorded inputs exactly as folding rescaled the model
         torch.testing.assert_close(stats[name].abs_mean, fresh[name].abs_mean, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(stats[name].samples, fresh[name].samples, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wikitext_dir():
+    from evals.data import find_data_dir
+
+    data_dir = find_data_dir(None, required=False)
+    if data_dir is None:
+        pytest.skip("no eval data dir")
+    return data_dir
+
+
+@pytest.mark.integration
+def test_gptq_beats_rtn_per_layer_on_held_out_default_model_inputs(default_model_dir, wikitext_dir):
+    """Per layer, on held-out WikiText-2 test tokens other than each window's first (the attention sink)."""
+    from evals.perplexity import WIKITEXT2_TEST
+    from quant.calibration import CalibConfig, calibration_batches
+
+    lm = load_model(default_model_dir)
+    spec = WeightSpec(3, True, "group", 32)
+    names = [f"layers.{i}.{m}" for i in (0, 15, 29) for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+    calib = calibration_batches(CalibConfig(samples=4, seqlen=512, data_dir=wikitext_dir), lm)
+    stats = collect_layer_stats(lm, calib, names, need=("hessian",))
+    ids = lm.tokenizer.encode((wikitext_dir / WIKITEXT2_TEST).read_text()[:20000], add_special_tokens=False)
+    held_out = collect_layer_stats(lm, [ids[:256], ids[256:512]], names, need=("samples",), max_samples=512,
+                                   batch_size=1)
+    modules = dict(lm.model.named_modules())
+    for name in names:
+        w = modules[name].weight.detach().float()
+        x = torch.cat([held_out[name].samples[1:256], held_out[name].samples[257:]])  # rows in token order
+        ref = x @ w.T
+        err = {m: ((x @ dequant(get_method(m).quantize_weight(w, spec, stats[name]), spec).T - ref).norm()
+                   / ref.norm()).item() for m in ("rtn", "gptq")}
+        assert err["gptq"] < err["rtn"], (name, err)
+
+
+@pytest.mark.integration
+def test_awq_w3g32_perplexity_below_rtn_on_default_model(default_model_dir, wikitext_dir):
+    from evals.perplexity import wikitext2_perplexity
+    from quant.calibration import CalibConfig
+    from quant.quantize import quantize_model
+
+    ppl = {}
+    for method in ("rtn", "awq"):
+        lm = load_model(default_model_dir)
+        quantize_model(lm, "w3g32-sym", method, CalibConfig(samples=4, seqlen=512, data_dir=wikitext_dir),
+                       progress=False)
+        ppl[method] = wikitext2_perplexity(lm, wikitext_dir, ctx=512, max_windows=2).ppl
+    assert ppl["awq"] < 0.9 * ppl["rtn"], ppl

@@ -44,6 +44,9 @@ class ToyEvaluator:
         self.log = os.environ.get("TOY_LOG", log)
         self.quality_calls: list[str] = []
 
+    def describe(self) -> dict:
+        return {"evaluator": "toy", "fail_on": self.fail_on}
+
     def prepare(self, space, floor):
         pass
 
@@ -301,3 +304,14 @@ def test_two_workers_share_one_study(tmp_path, tiny_llama_dir, kind):
     fresh = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
     assert len(measured) == len(fresh)  # each measured trial was measured exactly once
     assert sorted(m["label"] for m in measured) == sorted(t.user_attrs["label"] for t in fresh)
+
+
+def test_joining_worker_must_measure_the_same_way(tmp_path, tiny_llama_dir):
+    space = toy_space(tiny_llama_dir, kv=["none"])
+    run_search(settings(tmp_path, space, n_trials=2), ToyEvaluator())
+    with pytest.raises(UserError, match="measures with fail_on=None"):
+        run_search(settings(tmp_path, space, n_trials=3), ToyEvaluator(fail_on="w8ch-sym"))
+    with pytest.raises(UserError, match="was created with floor 0.98"):
+        run_search(settings(tmp_path, space, n_trials=3, floor="0.9"), ToyEvaluator())
+    outcome = run_search(settings(tmp_path, None, n_trials=3, create=False, resume=True), ToyEvaluator())
+    assert len(finished_trials(outcome.study)) == 3 and outcome.ran == 1  # resumed with the stored space

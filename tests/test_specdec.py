@@ -240,3 +240,34 @@ def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["check-lossless", "--target", str(tiny_llama_dir), "--draft", f"draft:{other}", "--prompts", "mt_bench"])
     assert exc.value.code == 2 and "another vocabulary" in capsys.readouterr().err
+
+
+def run_cli(args):
+    from studies.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    return exc.value.code
+
+
+def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abcabcabc abc", "hello hello hel"]))
+    out, plot = tmp_path / "accept.json", tmp_path / "accept.png"
+    code = run_cli(["accept", "--target", str(tiny_llama_dir), "--draft", "ngram:min=1,max=3", "--k", "1,3",
+                    "--prompts", str(prompts), "--limit", "2", "-n", "12", "--dtype", "fp32", "--threads", "1",
+                    "--json", str(out), "--plot", str(plot)])
+    assert code == 0 and plot.stat().st_size > 0
+    record = json.loads(out.read_text())
+    rows = record["results"]["rows"]
+    assert [r["k"] for r in rows] == [1, 3] and record["lengths"]["output_tokens"] == {"fixed": 12}
+    for r in rows:
+        assert r["greedy_equal"] == 2 and 0 <= r["alpha"] <= 1 and r["tau"] >= 1
+        assert r["speedup"] > 0 and r["predicted_speedup"] > 0 and r["refined_speedup"] > 0
+        assert sum(r["draft_length_hist"]) == pytest.approx(1.0)
+    code = run_cli(["check-lossless", "--target", str(tiny_llama_dir), "--draft", "layerskip:1", "--k", "2",
+                    "--prompts", str(prompts), "--limit", "2", "-n", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
+                    "--threads", "1", "--json", str(tmp_path / "lossless.json")])
+    assert code == 0 and json.loads((tmp_path / "lossless.json").read_text())["results"]["passed"]

