@@ -2,8 +2,10 @@
 SmoothQuant, scored by WikiText-2 PPL and mean KL vs fp32, plus prefill and decode tok/s of the real
 int8 x int8 kernel (``torch._int_mm``) against the dense fp32 and bf16 models in the same run.
 
-Usage: flock /tmp/qs-bench.lock python bench/act_quality.py [--windows 4] [--calib-samples 8] [--threads 1]
-Writes bench/results/act_quality.json (a RunRecord).
+Usage: python bench/act_quality.py --no-speed                     (quality: bench/results/act_quality.json)
+       flock /tmp/qs-bench.lock python bench/act_quality.py --speed-rows-only --windows 1 \
+             --out bench/results/act_speed.json                      (speed of fp32, bf16 and the int8 kernel)
+Options: [--windows 4] [--calib-samples 8] [--threads 1]. Each run writes a RunRecord.
 """
 import argparse
 import statistics
@@ -80,7 +82,8 @@ def main(args) -> RunRecord:
     prompt_ids = encode_prompt(base.tokenizer, PROMPT)
     calib = CalibConfig(samples=args.calib_samples, seqlen=512, data_dir=args.data_dir)
     rows, ref_tokens = [], None
-    for name, dtype, scheme, observer, alpha in CONFIGS:
+    configs = [c for c in CONFIGS if c[0] in SPEED_ROWS] if args.speed_rows_only else CONFIGS
+    for name, dtype, scheme, observer, alpha in configs:
         t0 = time.perf_counter()
         lm = load_model(args.model, dtype, args.threads)
         row = {"config": name, "dtype": dtype, "scheme": scheme or dtype, "observer": observer, "smoothquant": alpha}
@@ -151,7 +154,8 @@ if __name__ == "__main__":
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
-    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--no-speed", action="store_true", help="quality only (no lock needed)")
+    parser.add_argument("--speed-rows-only", action="store_true", help=f"only the rows {', '.join(SPEED_ROWS)}")
     args = parser.parse_args()
     record = main(args)
     print_table(record)

@@ -105,7 +105,7 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
 
 
-def vllm_side_by_side(model: str, n_prompts: int, new_tokens: int, data_dir) -> dict:
+def vllm_side_by_side(model: str, n_prompts: int, new_tokens: int, data_dir, threads: int) -> dict:
     """Greedy tokens with fp8 vs full-precision KV, native (bf16 weights) and vLLM (bf16), on spec_bench prompts:
     each backend's fp8 run is compared with its own unquantized-KV run (weights/kernels differ across backends)."""
     from vllm import LLM, SamplingParams
@@ -115,7 +115,7 @@ def vllm_side_by_side(model: str, n_prompts: int, new_tokens: int, data_dir) -> 
     from quant.kvcache import vllm_kv_cache_dtype
     from specdec.generate import encode_prompt
 
-    lm = load_model(model, "bf16")
+    lm = load_model(model, "bf16", threads)
     prompts = [encode_prompt(lm.tokenizer, p) for p in load_prompts("spec_bench", data_dir, n_prompts)]
     specs = ["none", "fp8_e4m3", "fp8_e5m2"]
     native = {}
@@ -189,7 +189,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.vllm:  # adds to the record an earlier run wrote
         record = RunRecord.from_dict(json.loads(Path(args.out).read_text()))
-        record.results["vllm_fp8_greedy_agreement"] = vllm_side_by_side(args.model, 4, 64, args.data_dir)
+        record.results["vllm_fp8_greedy_agreement"] = vllm_side_by_side(args.model, 4, 64, args.data_dir, args.threads)
     else:
         record = main(args)
     print_table(record)

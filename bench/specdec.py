@@ -26,7 +26,7 @@ from studies.cmd_specdec import measure_acceptance, parse_ks, print_sweep
 SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
-def spec_bench_prompts(per_category: int, data_dir=None) -> list[str]:
+def spec_bench_prompts(per_category: int, data_dir=None, tasks=SPEC_BENCH_TASKS) -> list[str]:
     """The first ``per_category`` questions of each Spec-Bench task (its 80 MT-bench rows form one task)."""
     rows = read_jsonl(data_file(PROMPT_FILES["spec_bench"], data_dir))
     picked = {task: [] for task in SPEC_BENCH_TASKS}
@@ -34,7 +34,7 @@ def spec_bench_prompts(per_category: int, data_dir=None) -> list[str]:
         task = row["category"] if row["category"] in picked else "mt_bench"
         if len(picked[task]) < per_category:
             picked[task].append(row["turns"][0])
-    return [text for task in SPEC_BENCH_TASKS for text in picked[task]]
+    return [text for task in tasks for text in picked[task]]
 
 
 def combine(records: list[RunRecord]) -> RunRecord:
@@ -53,6 +53,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--tasks", default=",".join(SPEC_BENCH_TASKS), help="Spec-Bench tasks to draw prompts from.")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--proposer", action="append", default=None)
@@ -61,13 +62,16 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec.json"))
     args = parser.parse_args()
     lm = load_model(args.model, args.dtype, args.threads)
-    texts = spec_bench_prompts(args.per_category, args.data_dir)
+    tasks = tuple(args.tasks.split(","))
+    if set(tasks) - set(SPEC_BENCH_TASKS):
+        parser.error(f"--tasks: pick from {','.join(SPEC_BENCH_TASKS)}")
+    texts = spec_bench_prompts(args.per_category, args.data_dir, tasks)
     records = []
     for spec in args.proposer or ["ngram:min=2,max=4", "selfquant:w4g32-asym"]:
         proposer = build_proposer(spec, lm)
         for temperature in (float(t) for t in args.temperatures.split(",")):
             record = measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
-                                        f"spec_bench: first {args.per_category} of each task {SPEC_BENCH_TASKS}",
+                                        f"spec_bench: first {args.per_category} of each task {tasks}",
                                         args.max_new_tokens, SamplingConfig(temperature, seed=0))
             record.results["load_average_after"] = os.getloadavg()
             print_sweep(record)

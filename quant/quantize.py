@@ -83,6 +83,17 @@ def quantizable_linears(model: nn.Module, scheme: QuantScheme) -> tuple[list[str
     return chosen, dense
 
 
+def plan_layers(lm: LoadedModel, scheme: QuantScheme) -> tuple[list[str], list[str]]:
+    """``quantizable_linears`` plus the checks that need no work: something to quantize, groups that fit."""
+    names, dense = quantizable_linears(lm.model, scheme)
+    if not names:
+        raise UserError(f"{lm.path}: no Linear layers to quantize (the model has none, or scheme ignore "
+                        f"{list(scheme.ignore)} covers them all)")
+    for name in names:
+        check_group_fits(scheme, name, lm.model.get_submodule(name).in_features)
+    return names, dense
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -118,13 +129,8 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
                         "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
     weight_method = get_method(method)
     spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
-    names, dense = quantizable_linears(model, scheme)
-    if not names:
-        raise UserError(f"{lm.path}: no Linear layers to quantize (the model has none, or scheme ignore "
-                        f"{list(scheme.ignore)} covers them all)")
+    names, dense = plan_layers(lm, scheme)
     modules = dict(model.named_modules())
-    for name in names:
-        check_group_fits(scheme, name, modules[name].in_features)
 
     stats: dict[str, LayerStats] = {}
     calib_label = None

@@ -107,7 +107,7 @@ def quantize(
     """Quantize MODEL's Linear layers, print size, time, kernels and fidelity, optionally export."""
     from quant.calibration import CalibConfig
     from quant.checkpoint import save_compressed
-    from quant.quantize import quantize_model
+    from quant.quantize import plan_layers, quantize_model
 
     parsed = parse_scheme(scheme)
     weight_method = get_method(method)
@@ -115,6 +115,7 @@ def quantize(
     if out is not None and out.exists() and not overwrite:
         raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --out")
     lm = load_model(model, dtype)
+    plan_layers(lm, parsed)  # refuse bad group sizes / nothing to quantize before any model work
     seqs = fidelity_sequences(lm)
     ref_logits = sequence_logits(lm, seqs)
     report = quantize_model(lm, parsed, method, calib_cfg if weight_method.needs_calibration else None)

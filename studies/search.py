@@ -62,14 +62,10 @@ class SearchSettings:
             raise UserError(f"--exact-fraction must be in [0, 1], got {self.exact_fraction}")
 
 
-def _study_names(storage) -> list[str]:
-    return optuna.get_all_study_names(storage)
-
-
 def open_study(settings: SearchSettings, default_floor: str | None = None) -> optuna.Study:
     """Create or load the study; its floor, mode and space are stored as study user attrs on creation."""
     storage = open_storage(storage_url(settings.storage, settings.study_dir))
-    names = _study_names(storage)
+    names = optuna.get_all_study_names(storage)
     name = settings.study_name
     if name is None:
         if settings.resume:
@@ -101,7 +97,8 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
         study.set_user_attr("mode", mode)
         study.set_user_attr("space", space.to_dict())
         study.set_user_attr("reference", space.reference().to_dict())
-        study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True})
+        study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True},
+                            skip_if_exists=True)
     _check_stored(study, settings)
     return study
 

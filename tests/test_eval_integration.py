@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 def _run(args, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "QUANTSPEC_EVAL_CACHE": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-m", "studies.cli", "eval", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=env, timeout=900)
 
 
 def test_eval_default_arc_easy_offline(default_model_dir, tmp_path):

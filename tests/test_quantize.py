@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from conftest import make_tiny_llama
 from quant.errors import UserError
@@ -12,6 +11,7 @@ from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
 from quant.quantize import quantize_model
 from specdec.generate import Decoder
+from studies.cli import main as cli_main
 from test_cli_errors import assert_one_line_error, run_cli
 
 IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]
@@ -122,10 +122,15 @@ def test_unknown_method(tiny_llama_dir):
     (["--scheme", "w4g32-sym", "--method", "gptq", "--calib", "/nonexistent/calib.jsonl"], "does not exist"),
     (["--scheme", "w4g32-sym@ignore=*"], "no Linear layers"),
 ])
-def test_cli_bad_input(tiny_llama_dir, tmp_path, args, needle):
+def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, args, needle):
+    """In-process (the subprocess path is covered below): one error line, exit 2, nothing written."""
     out = tmp_path / "out"
-    assert_one_line_error(run_cli("quantize", str(tiny_llama_dir), *args, "--out", str(out)), needle)
-    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["quantize", str(tiny_llama_dir), *args, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {err.split('error: ')[1].strip()}"]
+    assert needle in err and not out.exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_cli_quantizes_and_refuses_existing_out(tiny_llama_dir, tmp_path):

@@ -125,6 +125,7 @@ class Backend:
 
     def __init__(self, config: ServingConfig):
         self.config = config
+        self.warm_runs: dict[str, int] = {}  # engine -> measured runs since its warm-up
 
     @classmethod
     def check(cls, config: ServingConfig) -> None:
