@@ -223,6 +223,13 @@ def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int =
                                    verbosity="ERROR")
 
 
+def _method_key(config: EvalConfig) -> str:
+    """The method and, for calibrated methods, the calibration set (it changes the weights)."""
+    if not config.scheme:
+        return "-"
+    return f"{config.method}[{config.calib.label}]" if config.calib is not None else config.method
+
+
 @functools.lru_cache(maxsize=8)
 def _hash_of(path: str, mtime: float) -> str:
     return weights_hash(Path(path))
@@ -237,8 +244,8 @@ def model_weights_hash(model: str) -> str:
 def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
     """Per-task results for ``config``, from the cache where present; the model is built only on a miss."""
     model_hash = model_weights_hash(config.model)
-    keys = {t: cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
-                              config.kv or "none", config.backend, config.dtype, t, config.limit, config.fewshot)
+    keys = {t: cache.CacheKey(model_hash, config.scheme or "none", _method_key(config), config.kv or "none",
+                              config.backend, config.dtype, t, config.limit, config.fewshot)
             for t in config.tasks}
     out: dict[str, TaskResult] = {}
     for task, key in keys.items():
@@ -278,18 +285,20 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
     floor = config.floor_spec
     if floor is None:
         return "no floor"
+    scored = [t for t, r in tests.items() if r.items]  # tasks with a per-item metric (not e.g. wikitext)
+    if not scored:
+        raise UserError(f"--floor needs a task with a per-item '{config.metric}' metric (e.g. arc_easy, piqa)")
     if floor.relative:
-        if any(t not in comparison for t in tests):
-            raise UserError(f"a relative floor needs per-item '{config.metric}' scores of the reference on every task")
-        return "pass" if all(c.passed for c in comparison.values()) else "fail"
-    passed = [check_floor(list(r.items.values()), [0.0] * len(r.items), floor, config.confidence, seed=config.seed).passed
-              for r in tests.values() if r.items]
-    return "pass" if passed and all(passed) else "fail"
+        if any(t not in comparison for t in scored):
+            raise UserError("a relative floor needs the reference: drop --no-reference or use abs:<accuracy>")
+        passed = [comparison[t].passed for t in scored]
+    else:
+        passed = [check_floor(list(tests[t].items.values()), [0.0] * len(tests[t].items), floor, config.confidence,
+                              seed=config.seed).passed for t in scored]
+    return "pass" if all(passed) else "fail"
 
 
-def _fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None:
-    if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
-        return None
+def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
     from quant.loading import load_model
 
     ref = load_model(config.reference_model or config.model, config.dtype)
@@ -305,9 +314,8 @@ def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str)
     if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
         return None
     reference = f"_ref{model_weights_hash(config.reference_model)}" if config.reference_model else ""
-    key = cache.CacheKey(model_hash, config.scheme or "none", config.method if config.scheme else "-",
-                         config.kv or "none", config.backend, config.dtype,
-                         f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)
+    key = cache.CacheKey(model_hash, config.scheme or "none", _method_key(config), config.kv or "none",
+                         config.backend, config.dtype, f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)
     hit = cache.load(key)
     if hit is not None:
         return FidelityStats(**hit)

@@ -42,12 +42,14 @@ def test_quantized_eval_reports_and_caches(home, tiny_llama_dir):
 
 def test_fidelity_ppl_matches_perplexity_module(home, tiny_llama_dir):
     from evals.fidelity import wikitext_fidelity
-    from evals.perplexity import wikitext2_perplexity
+    from evals.data import data_file
+    from evals.perplexity import WIKITEXT2_TEST, perplexity_of_text
     from quant.loading import load_model
 
     lm = load_model(tiny_llama_dir)
     stats = wikitext_fidelity(lm, lm, None, ctx=64, max_windows=2)
-    ppl = wikitext2_perplexity(lm, None, ctx=64, max_windows=2)
+    head = data_file(WIKITEXT2_TEST).read_text()[:20_000]  # wikitext2_perplexity's windows, first 20k chars
+    ppl = perplexity_of_text(lm, head, ctx=64, max_windows=2)
     assert stats.mean_kl < 1e-6 and stats.top1_agreement == 1.0
     assert stats.ppl_ref == pytest.approx(ppl.ppl, rel=1e-4) and stats.n_tokens == ppl.n_tokens
 
