@@ -77,11 +77,12 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
     args = parser.parse_args()
 
     evaluator = TimedEvaluator(get_evaluator("real", limit=args.limit, num_prompts=args.prompts,
-                                             output_len=args.new_tokens))
+                                             output_len=args.new_tokens, threads=args.threads))
     space = load_space(args.space)
     with tempfile.TemporaryDirectory() as study_dir:
         settings = SearchSettings(space=space, n_trials=args.n_trials, study_dir=Path(study_dir), seed=args.seed)

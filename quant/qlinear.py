@@ -50,6 +50,7 @@ class Kernel(nn.Module):
     name: str = ""
     simulated: bool = False
     priority: int = 0  # higher wins when several kernels support a format
+    scale_bytes: int = 4  # bytes per exported scale (fp32 unless the kernel keeps bf16 scales)
 
     @classmethod
     def supports(cls, spec: WeightSpec, act: ActSpec | None, out_features: int, in_features: int) -> bool:
@@ -86,7 +87,7 @@ def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
 class Int8PackKernel(Kernel):
     """Symmetric per-channel int8 weights, bf16 scales [N]: ``y = (x @ q.T) * s``."""
 
-    name, priority = "int8pack", 10
+    name, priority, scale_bytes = "int8pack", 10, 2
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -115,7 +116,7 @@ class Int4PackKernel(Kernel):
     ``scales_and_zeros`` [n_groups, N, 2] = (s, t). Our signed codes ``q`` in -8..7 mean ``w = (q - z) * s``, so
     ``u = q + 8`` and ``t = -z * s`` (rounded to bf16 once, like ``s``)."""
 
-    name, priority = "int4pack", 10
+    name, priority, scale_bytes = "int4pack", 10, 2
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -223,10 +224,11 @@ class QuantizedLinear(nn.Module):
         return dequantize(q, scale.float(), zero, self.spec, dtype)[:, : self.in_features]
 
     def format_bytes(self) -> int:
-        """Bytes of the stored format: packed codes + scales (+ zero points when asymmetric)."""
-        q, scale, zero = self.export()
-        n = q.numel() * self.spec.bits // 8 + scale.numel() * scale.element_size()
-        return n + (0 if self.spec.symmetric else zero.numel())
+        """Bytes of the stored format: packed codes + scales (+ int8 zero points when asymmetric)."""
+        n_scales = {"tensor": 1, "channel": self.out_features}.get(
+            self.spec.granularity, self.out_features * self.padded_in // (self.spec.group_size or 1))
+        codes = self.out_features * self.padded_in * self.spec.bits // 8
+        return codes + n_scales * (self.kernel.scale_bytes + (0 if self.spec.symmetric else 1))
 
     def resident_bytes(self) -> int:
         """Bytes this layer's buffers occupy in the runtime (what decoding streams for a real kernel)."""

@@ -94,6 +94,7 @@ def search(
     limit: int = typer.Option(None, help="Eval items per task (default 200)."),
     prompts: int = typer.Option(4, help="Spec-Bench prompts per speed run (batch 1, greedy)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Fixed output length per speed-run prompt (ignore_eos)."),
+    threads: int = typer.Option(None, help="torch threads for speed and quality runs (default: torch's choice)."),
     csv: str = typer.Option(None, help="Also write the table as CSV."),
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
@@ -108,7 +109,7 @@ def search(
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout)
     console = _console()
     trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
-                                    output_len=new_tokens)
+                                    output_len=new_tokens, threads=threads)
     outcome = search_with_progress(settings, trial_evaluator, console)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
@@ -135,13 +136,13 @@ def pareto(
 DEMO_DIR = Path("runs/demo")
 
 
-def demo_search(n_trials: int = 6, data_dir: str | None = None) -> StudySummary:
+def demo_search(n_trials: int = 6, data_dir: str | None = None, threads: int | None = None) -> StudySummary:
     """The small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the default model, a fresh study in
     runs/demo/study.db, then the table, CSV, JSON and PNG under runs/demo/."""
     console = _console()
     console.rule("speed/quality search (studies/spaces/demo.yaml)")
     settings = SearchSettings(space=load_space("demo"), n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
-    evaluator = get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32)
+    evaluator = get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads)
     outcome = search_with_progress(settings, evaluator, console)
     summary = summarize(outcome.study)
     report(summary, console, str(DEMO_DIR / "pareto.csv"), str(DEMO_DIR / "pareto.png"), str(DEMO_DIR / "pareto.json"))

@@ -110,10 +110,10 @@ class RealEvaluator:
 
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
-                 fidelity_windows: int = 2, floor: str | None = None, **_):
+                 fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None, **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
-        self.floor = floor
+        self.floor, self.threads = floor, threads
         self._tokens: dict[TrialConfig, list[list[int]]] = {}
 
     def floor_value(self, floor: str) -> float:
@@ -124,15 +124,18 @@ class RealEvaluator:
     def describe(self) -> dict:
         return {"evaluator": "real", "tasks": self.tasks, "limit": self.limit, "fidelity_windows": self.fidelity_windows,
                 "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
-                "quality_dtype": "bf16", "load": "closed loop, concurrency 1"}
+                "quality_dtype": "bf16", "load": "closed loop, concurrency 1", "threads": self.threads}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
         from evals.data import find_data_dir
         from quant.model_store import resolve_model
 
+        from quant.loading import set_threads
+
         self.floor_value(floor)
         self.floor = floor
         self.data_dir = str(find_data_dir(self.data_dir))
+        set_threads(self.threads)  # quality runs in this process too
         resolve_model(space.model)
 
     def quality(self, config: TrialConfig) -> QualityResult:
@@ -165,7 +168,7 @@ class RealEvaluator:
         from evals.loadgen import LoadSpec
         from studies.space import serving_config
 
-        serving = serving_config(config)
+        serving = serving_config(config, threads=self.threads)
         t0 = time.perf_counter()
         backend = open_backend(serving)
         t1 = time.perf_counter()

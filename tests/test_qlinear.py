@@ -131,3 +131,11 @@ def test_bytes():
     layer, *_ = make_layer("w4g32-sym", bias=False)
     assert layer.format_bytes() == 96 * 128 // 2 + 96 * 4 * 2  # packed nibbles + bf16 scales
     assert layer.resident_bytes() == 96 * 128 // 2 + 96 * 4 * 2 * 2  # + bf16 zero offsets
+
+
+@pytest.mark.parametrize("label", ["w8ch-sym", "w4g32-asym", "w3g32-asym", "w8t-sym", "w4g32-sym+pad"])
+def test_format_bytes_match_the_export(label):
+    layer, *_ = make_layer(label, in_f=112 if "pad" in label else 128)
+    q, scale, zero = layer.export()
+    expected = q.numel() * layer.spec.bits // 8 + scale.numel() * scale.element_size()
+    assert layer.format_bytes() == expected + (0 if layer.spec.symmetric else zero.numel())
