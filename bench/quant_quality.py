@@ -62,8 +62,10 @@ def print_tables(rows: list[dict], fp32: dict, caption: str) -> None:
         times = "/".join(f"{by[s, m]['quantize_s']:.0f}" for s in SCHEMES if (s, m) in by)
         table.add_row(m, *cells, times)
     console.print(table)
-    special = Table(title=f"{NEAR_LOSSLESS}: near-lossless on this model only (its body is already on a "
-                          "4-bit group-32 asymmetric grid, Q4_1-dequantized)")
+    special = Table(title=f"{NEAR_LOSSLESS}: the special case of this model, whose body is already on a 4-bit "
+                          "group-32 asymmetric grid (Q4_1-dequantized: w = d*q + m with a float offset m)",
+                    caption="compressed-tensors' integer zero point (round(qmin - m / scale)) cannot place the grid "
+                            "at m exactly, so re-quantizing it is not lossless (see README)")
     special.add_column("method")
     special.add_column("ppl", justify="right")
     special.add_column("Δ vs fp32", justify="right")

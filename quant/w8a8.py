@@ -17,6 +17,9 @@ from quant.errors import UserError
 from quant.qlinear import Kernel, QuantizedLinear, register_kernel
 from quant.scheme import ActSpec, QuantScheme, parse_scheme
 
+STATIC_NEEDS = ("static activation scales need the int8xint8 kernel (W8 symmetric per-channel weights, "
+                "e.g. w8ch-sym_a8t-static)")
+
 
 def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """int8 [M, K] x int8 [N, K]ᵀ -> int32 [M, N], exact."""
@@ -64,18 +67,19 @@ def set_static_input_scales(model, act: ActSpec, input_scales: dict[str, torch.T
     for name, scale in input_scales.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, QuantizedLinear) or not isinstance(layer.kernel, Int8xInt8Kernel):
-            raise UserError(f"{name}: static activation scales need the int8xint8 kernel (W8 symmetric "
-                            "per-channel weights, e.g. w8ch-sym_a8t-static)")
+            raise UserError(f"{name}: {STATIC_NEEDS}")
         layer.act = act
         layer.kernel.set_static_input_scale(act, scale)
 
 
 def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", calib=None,
-                  observer: str = "minmax", smoothquant: float | None = None, progress: bool = True):
+                  observer: str = "mse", smoothquant: float | None = None, progress: bool = True):
     """Quantize ``lm`` in place to a W8A8 scheme; returns Q1's ``QuantReport`` (with this scheme's label).
 
     Order: SmoothQuant (if ``smoothquant`` = alpha) on the fp model, then static input scales (if the scheme
-    asks for them) observed on the smoothed fp model, then the weight method, then the static switch."""
+    asks for them) observed on the smoothed fp model, then the weight method, then the static switch.
+    ``mse`` is the default observer: on the default model minmax and percentile static scales lose far more
+    (bench/act_quality.py)."""
     from quant.calibration import CalibConfig, calibration_batches
     from quant.quantize import quantizable_linears, quantize_model
     from quant.smoothquant import apply_smoothquant
@@ -85,6 +89,8 @@ def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", c
         raise UserError(f"{scheme.label} has no activation quantization; use W8A8 or a label like w8ch-sym_a8t-static")
     calib = calib or CalibConfig(samples=32)
     static = not scheme.activations.dynamic
+    if static and not Int8xInt8Kernel.supports(scheme.weights, scheme.activations, 0, 0):
+        raise UserError(f"{scheme.label}: {STATIC_NEEDS}")
     batches = calibration_batches(calib, lm) if static or smoothquant is not None else []
     transform = {}
     if smoothquant is not None:

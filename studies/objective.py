@@ -128,9 +128,8 @@ class RealEvaluator:
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
         from evals.data import find_data_dir
-        from quant.model_store import resolve_model
-
         from quant.loading import set_threads
+        from quant.model_store import resolve_model
 
         self.floor_value(floor)
         self.floor = floor
@@ -139,6 +138,7 @@ class RealEvaluator:
         resolve_model(space.model)
 
     def quality(self, config: TrialConfig) -> QualityResult:
+        from evals.floor import Floor
         from evals.harness import EvalConfig, evaluate
 
         report = evaluate(EvalConfig(
@@ -146,11 +146,10 @@ class RealEvaluator:
             method=config.method or "rtn", kv=None if config.kv == "none" else config.kv, backend="native",
             tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir, dtype="bf16",
             fidelity_windows=self.fidelity_windows, progress=False))
-        floor = self.floor_value(self.floor)
-        relative = not str(self.floor).strip().startswith("abs:")
+        floor = Floor.parse(self.floor)
 
         def value(c) -> float:
-            return floor + c.margin_ci[0] / (c.acc_ref if relative and c.acc_ref else 1.0)
+            return floor.value + c.margin_ci[0] / (c.acc_ref if floor.relative and c.acc_ref else 1.0)
 
         task, worst = min(report.comparison.items(), key=lambda kv: value(kv[1]))
         fid = report.fidelity
