@@ -47,9 +47,7 @@ def run_one(backend: str, name: str, num_prompts: int, output_len: int, out: str
 
 
 def main(args) -> None:
-    from evals.record import write_json_atomic
-
-    records, rows = [], []
+    records, failures = [], []
     for backend in BACKENDS:
         for name in CONFIGS:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
@@ -59,30 +57,38 @@ def main(args) -> None:
                 proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
                 runs = json.loads(Path(tmp.name).read_text() or "[]") if proc.returncode == 0 else []
             if proc.returncode != 0:
-                rows.append({"backend": backend, "config": name, "failed": f"exit {proc.returncode}"})
-            for rec in runs:
-                records.append(rec)
-                res = rec["results"]
-                rows.append({"backend": backend, "config": name, "concurrency": rec["arrival"]["concurrency"],
-                             "effective_tok_s": res.get("effective_tok_s"), "alpha": (res.get("spec") or {}).get("alpha"),
-                             "tau": (res.get("spec") or {}).get("tau"), "tpot_p50_ms": 1e3 * res["tpot_s"]["p50"],
-                             "ttft_p50_ms": 1e3 * res["ttft_s"]["p50"], "peak_rss_mib": res["peak_rss_mib"],
-                             "n_prompts": rec["lengths"]["n_requests"], "load_avg_1m": res.get("load_avg_1m_after"),
-                             "failed": res.get("error")})
-    base = {(r["backend"], r.get("concurrency")): r.get("effective_tok_s") for r in rows if r["config"] == "bf16"}
-    for r in rows:
-        b = base.get((r["backend"], r.get("concurrency")))
-        r["vs_bf16_same_backend"] = r["effective_tok_s"] / b if b and r.get("effective_tok_s") else None
-    for r in rows:
-        twin = next((x for x in rows if x["backend"] == "native" and x["config"] == r["config"]
-                     and x.get("concurrency") == r.get("concurrency")), None)
-        r["vllm_over_native"] = (r["effective_tok_s"] / twin["effective_tok_s"]
-                                 if r["backend"] == "vllm" and twin and twin.get("effective_tok_s") else None)
+                failures.append({"backend": backend, "config": name, "failed": f"exit {proc.returncode}"})
+            records += [dict(rec, bench_config=name) for rec in runs]
+            rows = table_rows(records) + failures
+            write(args, rows, records)  # after every configuration: a cut-short run keeps what it measured
     print_table(rows)
+
+
+def table_rows(records: list[dict]) -> list[dict]:
+    rows = []
+    for rec in records:
+        res, spec = rec["results"], rec["results"].get("spec") or {}
+        rows.append({"backend": rec["engine"]["backend"], "config": rec["bench_config"],
+                     "concurrency": rec["arrival"]["concurrency"], "effective_tok_s": res.get("effective_tok_s"),
+                     "alpha": spec.get("alpha"), "tau": spec.get("tau"), "tpot_p50_ms": 1e3 * res["tpot_s"]["p50"],
+                     "ttft_p50_ms": 1e3 * res["ttft_s"]["p50"], "peak_rss_mib": res["peak_rss_mib"],
+                     "n_prompts": rec["lengths"]["n_requests"], "load_avg_1m": res.get("load_avg_1m_after")})
+    tok_s = {(r["backend"], r["config"], r["concurrency"]): r["effective_tok_s"] for r in rows}
+    for r in rows:
+        base = tok_s.get((r["backend"], "bf16", r["concurrency"]))
+        native = tok_s.get(("native", r["config"], r["concurrency"]))
+        r["vs_bf16_same_backend"] = r["effective_tok_s"] / base if base else None
+        r["vllm_over_native"] = r["effective_tok_s"] / native if r["backend"] == "vllm" and native else None
+    return rows
+
+
+def write(args, rows: list[dict], records: list[dict]) -> None:
+    from evals.record import write_json_atomic
+
     out = Path(__file__).parent / "results" / "backends.json"
-    write_json_atomic(out, {"workload": WORKLOAD, "load_avg_1m_end": os.getloadavg()[0], "num_prompts": args.num_prompts, "output_len": args.output_len,
-                            "table": rows, "runs": records})
-    print(f"wrote {out}")
+    write_json_atomic(out, {"workload": WORKLOAD, "num_prompts": args.num_prompts, "output_len": args.output_len,
+                            "load_avg_1m_end": os.getloadavg()[0], "table": rows, "runs": records})
+    print(f"wrote {out}", flush=True)
 
 
 def print_table(rows) -> None:

@@ -12,7 +12,7 @@ from rich.table import Table
 from evals.record import write_json_atomic
 from quant.model_store import SMOLLM2, is_default_model
 
-Q4_1_SCHEME = "w4g32-asym"  # re-quantizing the default model's Q4_1-derived body to this grid is near-lossless
+Q4_1_SCHEME = "w4g32-asym"  # rows of this scheme on the default model carry the Q4_1-origin caveat
 
 
 @dataclass

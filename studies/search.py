@@ -90,15 +90,16 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
     if floor is None:
         raise UserError("a new study needs --floor")
     mode = settings.mode or "constrained"
+    settings.space, settings.floor, settings.mode = space, floor, mode
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
                                 directions=DIRECTIONS[mode])
-    if "floor" not in study.user_attrs:  # first of several workers creating the same study
-        study.set_user_attr("floor", floor)
+    if "floor" not in study.user_attrs:  # first of several workers creating it; "floor" last marks it complete
         study.set_user_attr("mode", mode)
         study.set_user_attr("space", space.to_dict())
         study.set_user_attr("reference", space.reference().to_dict())
         study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True},
                             skip_if_exists=True)
+        study.set_user_attr("floor", floor)
     _check_stored(study, settings)
     return study
 
@@ -113,16 +114,20 @@ def _check_stored(study: optuna.Study, settings: SearchSettings) -> None:
             shown = "a different space" if key == "space" else f"{key} {value}"
             raise UserError(f"study {study.study_name!r} was created with {shown}; drop --{key} or start a new "
                             "study (--study-name NEW --create)")
-        setattr(settings, key, value)
+        if value is not None:
+            setattr(settings, key, value)
+    if settings.space is None or settings.floor is None:
+        raise UserError(f"study {study.study_name!r} was not made by `quantspec search` (no stored space/floor); "
+                        "start a new study with --create")
 
 
-def _check_evaluator(study: optuna.Study, evaluator: TrialEvaluator) -> None:
+def _check_evaluator(study: optuna.Study, evaluator: TrialEvaluator, floor: str) -> None:
     """Every worker of a study must measure the same way (tasks, items, prompts, lengths); the first one records it."""
     mine = evaluator.describe()
     stored = study.user_attrs.get("evaluator")
     if stored is None:
         study.set_user_attr("evaluator", mine)
-        study.set_user_attr("floor_value", evaluator.floor_value(study.user_attrs["floor"]))
+        study.set_user_attr("floor_value", evaluator.floor_value(floor))
     elif stored != mine:
         diff = {k: (stored.get(k), v) for k, v in mine.items() if stored.get(k) != v}
         raise UserError(f"study {study.study_name!r} measures with {', '.join(f'{k}={a}' for k, (a, _) in diff.items())}; "
@@ -232,7 +237,7 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
         settings.floor = str(settings.floor)
         evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
     study = open_study(settings, evaluator.default_floor)
-    _check_evaluator(study, evaluator)
+    _check_evaluator(study, evaluator, settings.floor)
     evaluator.prepare(settings.space, settings.floor)
     outcome = SearchOutcome(study, recover_stale_trials(study))
     runner = TrialRunner(study, settings, evaluator)
