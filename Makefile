@@ -32,7 +32,7 @@ demo: model
 	.venv/bin/quantspec demo
 
 test: setup model
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"

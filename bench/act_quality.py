@@ -2,8 +2,8 @@
 SmoothQuant, scored by WikiText-2 PPL and mean KL vs fp32, plus prefill and decode tok/s of the real
 int8 x int8 kernel (``torch._int_mm``) against the dense fp32 and bf16 models in the same run.
 
-Usage: python -P bench/act_quality.py --no-speed                     (quality: bench/results/act_quality.json)
-       flock /tmp/qs-bench.lock python -P bench/act_quality.py --speed-rows-only --windows 1 \
+Usage: python bench/act_quality.py --no-speed                     (quality: bench/results/act_quality.json)
+       flock /tmp/qs-bench.lock python bench/act_quality.py --speed-rows-only --windows 1 \
              --out bench/results/act_speed.json                      (speed of fp32, bf16 and the int8 kernel)
 Options: [--windows 4] [--calib-samples 8] [--threads 1]. Each run writes a RunRecord.
 """

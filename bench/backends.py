@@ -14,8 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-# bench/ holds scripts named like our packages (bench/specdec.py): import the packages, not the scripts
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 CONFIGS = {  # name -> ServingConfig fields
     "bf16": {},

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-# Running `python bench/x.py` puts bench/ first on sys.path, where bench/specdec.py shadows the specdec package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

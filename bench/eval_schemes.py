@@ -8,11 +8,8 @@ on many items. Every run goes through ``evals.harness.evaluate`` (cached under $
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-# Running `python bench/x.py` puts bench/ first on sys.path, where bench/specdec.py shadows the specdec package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

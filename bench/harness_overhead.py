@@ -10,12 +10,9 @@ Writes bench/results/harness_overhead.json (a run record).
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-# bench/ holds scripts named like our packages (bench/specdec.py): import the packages, not the scripts
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def bare_generate(llm, requests, concurrency: int) -> tuple[float, int]:

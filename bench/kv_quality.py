@@ -5,8 +5,8 @@ to quantized history (a single full-window forward would attend to its own full-
 error). The reference is the same chunked run with the dense fp32 cache. Static specs (``...s``) are
 calibrated on WikiText-2 *validation* windows (quant.calibration) with the minmax observer.
 
-Usage: python -P bench/kv_quality.py [--specs a,b,..] [--windows-512 2] [--windows-2048 1] [--chunk 64]
-       flock /tmp/qs-vllm.lock python -P bench/kv_quality.py --vllm   (afterwards: native vs vLLM fp8 KV, greedy)
+Usage: python bench/kv_quality.py [--specs a,b,..] [--windows-512 2] [--windows-2048 1] [--chunk 64]
+       flock /tmp/qs-vllm.lock python bench/kv_quality.py --vllm   (afterwards: native vs vLLM fp8 KV, greedy)
 Writes bench/results/kv_quality.json (a RunRecord). Prints the table and the KIVI key-granularity verdict.
 """
 import argparse

@@ -1,6 +1,6 @@
 """Native speculative decoding on the default model: acceptance, speedup and predictions vs K.
 
-Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/specdec.py [--per-category 1] [--max-new-tokens 96]
+Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/spec_sweep.py [--per-category 1] [--max-new-tokens 96]
        [--ks 1,2,3,4,5,6,7,8] [--proposer ngram:min=2,max=4 --proposer selfquant:w4g32-asym] [--temperatures 0,1]
 Prompts: the first question of each of Spec-Bench's six tasks (MT-bench, translation, summarization, QA,
 math reasoning, RAG) from the data dir. Batch 1, fixed output length (ignore_eos), per prompt plain decoding
@@ -9,10 +9,8 @@ and every K interleaved. Writes bench/results/specdec.json (a RunRecord with one
 import argparse
 import copy
 import os
-import sys
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # as a script, bench/specdec.py must not shadow specdec/
 
 import torch  # noqa: E402
 
