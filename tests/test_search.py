@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -242,6 +243,14 @@ def load(url, name="s"):
     return optuna.load_study(study_name=name, storage=open_storage(url))
 
 
+def has_trial_rows(db: Path) -> bool:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            return conn.execute("select count(*) from trials").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
 def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     db = tmp_path / "study.db"
     url = f"sqlite:///{db}"
@@ -251,12 +260,12 @@ def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     before = []
     while time.time() < deadline:
         time.sleep(0.3)
-        if not db.exists():
-            continue
+        if not has_trial_rows(db):
+            continue  # never open the storage (which may create tables) while the worker creates the schema
         try:
             trials = load(url).get_trials()
-        except (KeyError, optuna.exceptions.StorageInternalError):
-            continue
+        except (KeyError, optuna.exceptions.StorageInternalError, UserError):
+            continue  # the worker may still be creating the schema (two creators race on a fresh SQLite file)
         done = [t for t in trials if t.state == TrialState.COMPLETE]
         if len(done) >= 3 and trials[-1].state == TrialState.RUNNING and "config" in trials[-1].user_attrs:
             os.kill(proc.pid, signal.SIGKILL)

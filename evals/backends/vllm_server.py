@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,9 @@ class VllmServer:
         if not self.alive():
             raise EngineFailure("vLLM server is not running", self.log_tail())
         results = asyncio.run(self._open_loop(requests, offsets, temperature, progress))
+        if not all(r.ok for r in results):  # a dying server drops connections before its exit is visible
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
         if not self.alive():
             raise EngineFailure(f"vLLM server died mid-run (exit {self.proc.returncode}); "
                                 f"{sum(not r.ok for r in results)} of {len(results)} requests failed", self.log_tail())
