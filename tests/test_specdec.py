@@ -23,7 +23,13 @@ from specdec.theory import best_k, expected_tokens, operations_factor, walltime_
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread for tiny models
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest (and steadiest on a shared CPU) on one thread; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
