@@ -9,6 +9,8 @@ its RUNNING trials FAIL and re-queues their parameters, on every storage.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
 import time
@@ -27,6 +29,7 @@ JOURNAL_PREFIX = "journal://"
 HEARTBEAT_S = 20
 GRACE_S = 60
 SCHEMA_RACE_RETRIES = 5
+SCHEMA_RACE_MARKS = ("UNIQUE constraint", "locked", "already exists", "duplicate key")
 WORKER_ATTR = "worker"
 STALE_ATTR = "stale"
 
@@ -54,17 +57,33 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         url = "postgresql+psycopg2://" + url[len("postgresql://"):]  # the driver requirements.txt installs
     for attempt in range(SCHEMA_RACE_RETRIES):
         try:
-            return _rdb_storage(url, scheme)
+            with _sqlite_schema_lock(url):
+                return _rdb_storage(url, scheme)
         except ImportError as exc:
             raise UserError(f"storage {url}: no database driver for {scheme} ({exc.__cause__ or exc}); "
                             "pip install psycopg2-binary (PostgreSQL) or pymysql (MySQL)") from None
         except Exception as exc:  # sqlalchemy OperationalError / ArgumentError and friends
             text = str(exc).strip()
-            if attempt + 1 < SCHEMA_RACE_RETRIES and ("UNIQUE constraint" in text or "locked" in text):
+            if attempt + 1 < SCHEMA_RACE_RETRIES and any(m in text for m in SCHEMA_RACE_MARKS):
                 time.sleep(0.2 * (attempt + 1))  # another worker is creating the schema right now
                 continue
             first = text.splitlines()[0] if text else type(exc).__name__
             raise UserError(f"cannot open storage {url}: {first}; check the URL and that the database is reachable") from None
+
+
+@contextlib.contextmanager
+def _sqlite_schema_lock(url: str):
+    """Workers opening one new SQLite file take turns, so only one of them creates Optuna's schema."""
+    path = url.split(":///", 1)[1] if url.startswith("sqlite:///") else ""
+    if not path or path.startswith(":memory:") or not Path(path).parent.is_dir():
+        yield
+        return
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _rdb_storage(url: str, scheme: str) -> RDBStorage:
