@@ -26,12 +26,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quant.errors import UserError
-from quant.loading import load_state_dict
+from quant.loading import build_model, load_state_dict
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
 from quant.scheme import ActSpec, QuantScheme, WeightSpec, parse_scheme
-from quant.quantize import set_submodule
-from specdec.transformer import ModelArgs, Transformer
+from specdec.transformer import Transformer
 
 HF_PREFIX = "model."
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -185,23 +184,10 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transf
     biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
     input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
 
-    args = ModelArgs.from_hf_config(config)
-    with torch.device("meta"):
-        model = Transformer(args)
-    for name in qnames:
-        set_submodule(model, name, nn.Identity())
-    model = model.to_empty(device="cpu")
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise UserError(f"{path}: checkpoint does not match the Llama layout: missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]}")
-    model = model.to(dtype)  # before the quantized layers go in: their scales keep the dtype they were saved in
+    # dense parts first: the quantized layers' scales keep the dtype they were saved in
+    model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path))
     for name, (q, scale, zero) in layers.items():
-        set_submodule(model, name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
+        model.set_submodule(name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
                                                    scheme.activations, dtype))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         from quant.w8a8 import set_static_input_scales

@@ -61,11 +61,16 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """Instantiate the native Transformer and load a (dense) HF state dict into it."""
+def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                placeholders: tuple[str, ...] = (), source: str = "checkpoint") -> Transformer:
+    """Instantiate the native Transformer and load a dense HF state dict into it.
+
+    Modules named in ``placeholders`` become ``nn.Identity`` (the caller puts quantized layers there)."""
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = Transformer(args)
+    for name in placeholders:
+        model.set_submodule(name, torch.nn.Identity())
     model = model.to_empty(device="cpu")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -74,7 +79,7 @@ def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (args.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise UserError(f"checkpoint does not match the Llama layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise UserError(f"{source} does not match the Llama layout: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.to(dtype).eval()
 
 

@@ -94,11 +94,6 @@ def plan_layers(lm: LoadedModel, scheme: QuantScheme) -> tuple[list[str], list[s
     return names, dense
 
 
-def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def _padded_stats(stats: LayerStats | None, width: int) -> LayerStats | None:
     """Statistics of an input zero-padded to ``width`` columns (padded inputs are always 0)."""
     if stats is None:
@@ -158,7 +153,7 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         qlinear = QuantizedLinear.from_result(result, spec, linear.in_features, linear.bias, scheme.activations,
                                               lm.dtype)
         w_hat = qlinear.dequantized_weight()
-        set_submodule(model, name, qlinear)
+        model.set_submodule(name, qlinear)
         layers.append(LayerReport(
             name, (linear.out_features, linear.in_features), qlinear.kernel_name, qlinear.simulated,
             linear.weight.numel() * linear.weight.element_size(), qlinear.format_bytes(),
