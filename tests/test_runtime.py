@@ -1,6 +1,7 @@
 """Native runtime on a tiny random Llama: logits match HF, cache rollback, sampling, bad input."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quant.errors import UserError
 from quant.loading import load_model
@@ -94,3 +95,22 @@ def test_bf16_load(tiny_llama_dir):
     lm = load_model(str(tiny_llama_dir), "bf16")
     assert lm.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     assert len(Decoder(lm, 32).generate([4, 5], 5, ignore_eos=True).tokens) == 5
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_packed_linear_matches_linear_and_repacks_after_in_place_edit(dtype, atol):
+    from specdec.packed_linear import PACKERS, PackedLinear
+
+    if dtype not in PACKERS:
+        pytest.skip(f"this torch build has no prepacked {dtype} linear")
+    torch.manual_seed(0)
+    layer = PackedLinear(64, 96, bias=True).to(dtype)
+    x = torch.randn(2, 9, 64, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=atol, rtol=0.02)
+        first_pack = layer._packed
+        layer.weight.mul_(-3)  # what calibration's scale folding does
+        torch.testing.assert_close(layer(x[:, :1]), F.linear(x[:, :1], layer.weight, layer.bias), atol=3 * atol, rtol=0.02)
+    assert layer._packed is not first_pack
+    layer(x.float().to(dtype)).sum().backward()  # with grad enabled it is a plain Linear
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (96, 64)
