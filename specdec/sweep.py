@@ -60,13 +60,13 @@ def draft_length_histogram(stats: AcceptanceStats) -> list[float]:
 def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float]) -> dict:
     """Thm 3.8 (every step drafts K, verification costs one decode step) and the refined prediction: the
     measured mix of draft lengths (0..K, as a lookup proposer may find nothing), K·c for the drafted tokens
-    and the measured verify cost of each length."""
+    and the measured verify cost of each length. Both use β, the per-token acceptance probability."""
     hist = draft_length_histogram(stats)
-    tokens = sum(p * expected_tokens(stats.alpha, n) for n, p in enumerate(hist))
+    tokens = sum(p * expected_tokens(stats.beta, n) for n, p in enumerate(hist))
     cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[n] for n, p in enumerate(hist))
-    return {"predicted_speedup": walltime_speedup(stats.alpha, stats.k, c),
+    return {"predicted_speedup": walltime_speedup(stats.beta, stats.k, c),
             "refined_speedup": tokens / cost,
-            "refined_no_mix": refined_speedup(stats.alpha, stats.k, c, verify_cost[stats.k]),
+            "refined_no_mix": refined_speedup(stats.beta, stats.k, c, verify_cost[stats.k]),
             "draft_length_hist": hist}
 
 

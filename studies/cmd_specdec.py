@@ -29,14 +29,16 @@ console = Console(width=max(Console().width, 120))
 
 METRICS = {
     "alpha": "accepted draft tokens / drafted tokens (vLLM draft acceptance rate)",
+    "beta": "accepted / tested draft tokens, tested = up to and including the first rejection (the per-token "
+            "acceptance probability of Leviathan et al.; the predictions use it)",
     "tau": "1 + accepted / drafts, a draft = a verification step carrying >= 1 draft token (vLLM mean "
            "acceptance length, Spec-Bench)",
     "acceptance_per_pos": "drafts whose first i+1 tokens were accepted / drafts (vLLM per-position rate)",
     "tok_s": "decode tok/s = (new tokens - 1) / decode seconds, summed over requests, prefill excluded",
     "speedup": "speculative tok/s / plain-decoding tok/s, same target, prompts, sampling and length",
     "c": "proposer seconds per drafted token / plain decode seconds per token",
-    "verify_cost": "target forward over K+1 tokens / one decode step (median of 5, after the first prompt)",
-    "predicted_speedup": "Leviathan et al. Thm 3.8: (1-a^(K+1)) / ((1-a)(Kc+1))",
+    "verify_cost": "target forward over K+1 tokens / one decode step (min of 7, after the first prompt)",
+    "predicted_speedup": "Leviathan et al. Thm 3.8: (1-b^(K+1)) / ((1-b)(Kc+1)) with b = beta",
     "refined_speedup": "expected tokens per step over the measured mix of draft lengths / (drafted tokens per "
                        "step * c + measured verify cost of each length)",
 }
@@ -84,7 +86,7 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
                                         "(greedy_equal = identical requests); ignore_eos, fixed output length"),
         results={"proposer": proposer, "baseline": sweep.baseline, "rows": sweep.rows,
                  "verify_cost_curve": sweep.verify_cost, "best_k_measured": sweep.best_k,
-                 "best_k_theory": best_k(sweep.rows[-1]["alpha"], sweep.rows[-1]["c"],
+                 "best_k_theory": best_k(sweep.rows[-1]["beta"], sweep.rows[-1]["c"],
                                          lambda k: sweep.verify_cost[min(k, len(sweep.verify_cost) - 1)],
                                          k_max=len(sweep.verify_cost) - 1)},
     )
@@ -96,12 +98,12 @@ def print_sweep(record: RunRecord) -> None:
     table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
                         f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
                         f"x {record.lengths.output_tokens['fixed']} tokens; plain {base['tok_s']:.1f} tok/s")
-    cols = ["K", "α", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
+    cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
     for col in cols + (["=greedy"] if greedy else []):
         table.add_column(col, justify="right")
     for r in res["rows"]:
-        cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['tau']:.2f}",
+        cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['beta']:.2f}", f"{r['tau']:.2f}",
                  " ".join(f"{a:.2f}"[1:] for a in r["acceptance_per_pos"]), f"{r['tok_s']:.1f}",
                  f"{r['speedup']:.2f}", f"{r['predicted_speedup']:.2f}", f"{r['refined_speedup']:.2f}",
                  f"{r['c']:.3f}", f"{r['verify_cost']:.2f}"]
@@ -110,7 +112,7 @@ def print_sweep(record: RunRecord) -> None:
         table.add_row(*cells)
     console.print(table)
     console.print(f"recommended K: {res['best_k_measured']} (best measured speedup); theory with the largest K's "
-                  f"α and c and the measured verify costs: K={res['best_k_theory']}")
+                  f"β and c and the measured verify costs: K={res['best_k_theory']}")
     if record.model.note:
         console.print(f"[yellow]note:[/] {record.model.note}")
 

@@ -151,6 +151,22 @@ def test_acceptance_stats_definitions():
     assert s.alpha == pytest.approx(4 / 6) and s.tau == pytest.approx(1 + 4 / 2)
     assert s.acceptance_per_pos == [1.0, 0.5, 0.5]
     assert AcceptanceStats.from_dict(s.to_dict()).merge(s).accepted == 8
+    assert s.rejected == 1 and s.beta == pytest.approx(4 / 5)  # tested: 3 + (1 accepted + 1 rejected)
+
+
+def test_beta_recovers_the_iid_acceptance_rate_and_predicts_tau():
+    """Drafts accepted token by token with probability 0.7: β estimates 0.7, α does not, and Leviathan's
+    expected tokens per step at β reproduce the measured τ."""
+    rng = np.random.default_rng(0)
+    k, stats = 8, AcceptanceStats(8)
+    for _ in range(20000):
+        accepted = 0
+        while accepted < k and rng.random() < 0.7:
+            accepted += 1
+        stats.observe(k, accepted, 0.0, 0.0)
+    assert stats.beta == pytest.approx(0.7, abs=0.01)
+    assert stats.alpha < 0.33  # accepted / drafted counts the untested tail
+    assert expected_tokens(stats.beta, k) == pytest.approx(stats.tau, rel=0.01)
 
 
 @pytest.mark.parametrize("one_hot", [False, True])
