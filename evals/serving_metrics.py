@@ -22,7 +22,7 @@ METRIC_DEFINITIONS = {
               "earlier requests)",
     "tpot_s": "(end - first token) / (output tokens - 1), per request",
     "itl_s": "gaps between successive streamed chunks (one chunk can carry several tokens under speculation); "
-             "absent when the backend does not stream per step",
+             "native: when each decode or verification step finished (in-process, no transport)",
     "e2e_s": "completion - real send time",
     "queue_s": "engine start of service - send time (native batch-1 only; vLLM does not expose it per request "
                "in-process)",

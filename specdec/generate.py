@@ -22,6 +22,7 @@ class GenerationResult:
     decode_s: float
     finish_reason: str  # "eos" | "length"
     stats: dict = field(default_factory=dict)  # proposer statistics when speculative
+    chunk_s: list[float] = field(default_factory=list)  # when each chunk of tokens was ready, s after the call began
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -97,15 +98,16 @@ class Decoder:
         logits = self.forward(prompt_ids)[-1]
         token = int(next_token(logits, sampling, gen))
         t1 = time.perf_counter()
-        out, reason = [token], "length"
+        out, reason, chunk_s = [token], "length", [t1 - t0]
         while len(out) < max_new_tokens:
             if token in self.eos_ids and not ignore_eos:
                 reason = "eos"
                 break
             token = int(next_token(self.forward([token])[-1], sampling, gen))
             out.append(token)
+            chunk_s.append(time.perf_counter() - t0)
         else:
             reason = "eos" if (token in self.eos_ids and not ignore_eos) else "length"
         t2 = time.perf_counter()
         text = self.lm.tokenizer.decode(out, skip_special_tokens=True)
-        return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason)
+        return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason, chunk_s=chunk_s)

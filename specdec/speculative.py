@@ -64,6 +64,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         out = [self.start(prompt_ids, generator)]
         t1 = time.perf_counter()
+        chunk_s = [t1 - t0]
         while len(out) < max_new_tokens and out[-1] not in eos:
             context = [*prompt_ids, *out]
             k = min(self.k, max_new_tokens - len(out), self.decoder.max_len - len(context))
@@ -71,8 +72,9 @@ class SpeculativeDecoder:
                 out.append(token)
                 if len(out) == max_new_tokens or token in eos:
                     break
+            chunk_s.append(time.perf_counter() - t0)
         t2 = time.perf_counter()
         reason = "eos" if out[-1] in eos else "length"
         text = self.decoder.lm.tokenizer.decode(out, skip_special_tokens=True)
         return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason,
-                                stats={"proposer": self.proposer.label, **stats.to_dict()})
+                                stats={"proposer": self.proposer.label, **stats.to_dict()}, chunk_s=chunk_s)

@@ -65,6 +65,10 @@ def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
     assert res.summary["output_tokens"] == 15 == sum(r.output_tokens for r in res.results)
     assert res.effective_tok_s == pytest.approx(15 / res.summary["window_s"])
     assert res.alpha is None and res.summary["peak_rss_mib"] > 0
+    for r in res.results:  # one chunk per token without speculation: first at TTFT, last at the end
+        assert len(r.chunk_times) == r.output_tokens and r.chunk_times == sorted(r.chunk_times)
+        assert r.chunk_times[0] == pytest.approx(r.first_token) and r.started < r.chunk_times[-1] <= r.end
+    assert 0 < res.summary["itl_s"]["p50"] <= res.summary["e2e_s"]["p50"]
 
 
 def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, tiny_native):
@@ -77,6 +81,8 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, t
     assert res.summary["spec"]["drafts"] > 0 and 0 <= res.alpha <= 1 and 1 <= res.tau <= 4
     assert res.speedup == pytest.approx(res.effective_tok_s / base.effective_tok_s)
     assert res.record.engine.config["spec"] == "ngram:min=1,max=3 K=3"
+    steps = sum(len(r.chunk_times) - 1 for r in res.results)  # one chunk per verification step
+    assert res.summary["spec"]["drafts"] <= steps < sum(r.output_tokens - 1 for r in res.results)
 
 
 @pytest.mark.parametrize("args, needle", [

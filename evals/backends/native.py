@@ -76,6 +76,7 @@ class NativeBackend(Backend):
         gen = self._generate(request)
         result.end = now()
         result.first_token = started + gen.prefill_s
+        result.chunk_times = [started + t for t in gen.chunk_s]  # in-process: a token is "streamed" when ready
         result.token_ids = list(gen.tokens)
         result.finish_reason = gen.finish_reason
         if self.counters is not None:
