@@ -121,5 +121,6 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
         rows.append(row)
     baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
+                "per_request_tok_s": [r.decode_tokens_per_s for r in base],
                 "output_tokens": [len(r.tokens) for r in base]}
     return SweepResult(baseline, rows, curve)
