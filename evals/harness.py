@@ -160,21 +160,15 @@ def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tu
 # --------------------------------------------------------------------------------------------- backends
 
 
-def quantize_loaded(lm, scheme: str, method: str, calib=None) -> None:
-    """Quantize a loaded native model in place (quant.quantize)."""
-    from quant.quantize import quantize_model
-
-    quantize_model(lm, scheme, method, calib)
-
-
 @register_backend("native")
 def native_lm(config: EvalConfig):
     from evals.lm_native import NativeLM
     from quant.loading import load_model
+    from quant.quantize import quantize_fresh
 
     loaded = load_model(config.model, config.dtype)
     if config.scheme:
-        quantize_loaded(loaded, config.scheme, config.method, config.calib)
+        quantize_fresh(loaded, config.scheme, config.method, config.calib)
     return NativeLM(loaded=loaded, cache_factory=_cache_factory(config.kv))
 
 
@@ -300,11 +294,12 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
 
 def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
     from quant.loading import load_model
+    from quant.quantize import quantize_fresh
 
     ref = load_model(config.reference_model or config.model, config.dtype)
     test = load_model(config.model, config.dtype)
     if config.scheme:
-        quantize_loaded(test, config.scheme, config.method, config.calib)
+        quantize_fresh(test, config.scheme, config.method, config.calib)
     ctx = min(config.fidelity_ctx, ref.model.args.max_seq_len)
     return wikitext_fidelity(ref, test, data_dir, ctx, config.fidelity_windows,
                              test_cache_factory=_cache_factory(config.kv))

@@ -71,9 +71,9 @@ class NativeLM(TemplateLM):
         if loaded is None:
             loaded = load_model(pretrained, dtype, int(threads) if threads else None)
             if scheme:
-                from evals.harness import quantize_loaded
+                from quant.quantize import quantize_fresh
 
-                quantize_loaded(loaded, scheme, method)
+                quantize_fresh(loaded, scheme, method)
             if kv:
                 from quant.kvcache import make_cache_factory
 

@@ -161,3 +161,28 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
             time.perf_counter() - t0, result.info))
     return QuantReport(scheme, method, lm.precision, calib_label, layers, dense, transform_info,
                        time.perf_counter() - t_start)
+
+
+QUANTIZED_CACHE_SIZE = 3
+_quantized_models: dict[tuple, tuple[nn.Module, QuantReport]] = {}
+
+
+def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None) -> QuantReport:
+    """``quantize_model`` for a model just loaded from ``lm.path``: the result is memoised per (checkpoint,
+    dtype, scheme, method, calibration set) in this process, so a search that evaluates quality, speed and a
+    greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy."""
+    import copy
+
+    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
+    calib_label = calib.label if calib is not None else "default"
+    key = (str(lm.path), lm.dtype, scheme.label, method, calib_label)
+    if key not in _quantized_models:
+        report = quantize_model(lm, scheme, method, calib, progress=False)
+        _quantized_models[key] = (copy.deepcopy(lm.model), report)
+        while len(_quantized_models) > QUANTIZED_CACHE_SIZE:
+            _quantized_models.pop(next(iter(_quantized_models)))
+        return report
+    model, report = _quantized_models.pop(key)
+    _quantized_models[key] = (model, report)  # most recently used last
+    lm.model = copy.deepcopy(model)
+    return report

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import make_tiny_llama
 from quant.errors import UserError
@@ -163,3 +164,20 @@ def test_default_model_int8_and_int4(default_model_dir):
         assert report.kernels == {kernel: 210} and report.dense == ["lm_head"]
         fid = token_fidelity(ref, Decoder(lm, 128).forward(ids))
         assert fid.mean_kl < max_kl and fid.top1_agreement >= min_agree, (label, fid)
+
+
+def test_quantize_fresh_calibrates_once_per_configuration(tiny_llama_dir, monkeypatch):
+    import quant.quantize as qq
+
+    calls = []
+    real = qq.quantize_model
+    monkeypatch.setattr(qq, "quantize_model", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(qq, "_quantized_models", {})
+    first, second, other = (load_model(str(tiny_llama_dir)) for _ in range(3))
+    qq.quantize_fresh(first, "w4g32-asym", "mse")
+    report = qq.quantize_fresh(second, "w4g32-asym", "mse")
+    qq.quantize_fresh(other, "w8ch-sym", "mse")
+    assert calls == ["mse", "mse"]  # the second identical request was served from the memo
+    assert report.scheme.label == "w4g32-asym" and second.model is not first.model
+    assert torch.equal(logits(first), logits(second))
+    assert not torch.equal(logits(first), logits(other))

@@ -38,9 +38,9 @@ class NativeBackend(Backend):
     def _quantize(self) -> str:
         if self.config.scheme == "none":
             return "bf16"
-        from quant.quantize import quantize_model
+        from quant.quantize import quantize_fresh
 
-        self.quant_report = quantize_model(self.lm, self.config.scheme, self.config.method, progress=False)
+        self.quant_report = quantize_fresh(self.lm, self.config.scheme, self.config.method)
         return self.quant_report.scheme.label
 
     def _decoder(self):
