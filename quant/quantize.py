@@ -2,6 +2,7 @@
 by a ``QuantizedLinear`` running the best registered kernel, and report what happened per layer."""
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -167,17 +168,16 @@ QUANTIZED_CACHE_SIZE = 3
 _quantized_models: dict[tuple, tuple[nn.Module, QuantReport]] = {}
 
 
-def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None) -> QuantReport:
+def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
+                   progress: bool = True) -> QuantReport:
     """``quantize_model`` for a model just loaded from ``lm.path``: the result is memoised per (checkpoint,
     dtype, scheme, method, calibration set) in this process, so a search that evaluates quality, speed and a
     greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy."""
-    import copy
-
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     calib_label = calib.label if calib is not None else "default"
     key = (str(lm.path), lm.dtype, scheme.label, method, calib_label)
     if key not in _quantized_models:
-        report = quantize_model(lm, scheme, method, calib, progress=False)
+        report = quantize_model(lm, scheme, method, calib, progress)
         _quantized_models[key] = (copy.deepcopy(lm.model), report)
         while len(_quantized_models) > QUANTIZED_CACHE_SIZE:
             _quantized_models.pop(next(iter(_quantized_models)))

@@ -40,7 +40,7 @@ class NativeBackend(Backend):
             return "bf16"
         from quant.quantize import quantize_fresh
 
-        self.quant_report = quantize_fresh(self.lm, self.config.scheme, self.config.method)
+        self.quant_report = quantize_fresh(self.lm, self.config.scheme, self.config.method, progress=False)
         return self.quant_report.scheme.label
 
     def _decoder(self):
