@@ -6,6 +6,12 @@ faster (what inductor's weight freezing does). The pack is built on the first no
 whenever the weight changes (in-place edits bump ``weight._version``: calibration folds scales into weights),
 so it can never be stale. It costs one extra copy of the dense weights; the plain weight stays the source of
 truth for state dicts, quantization and export. Anything else (grad, other dtypes/devices) uses ``F.linear``.
+
+bf16 rows are batch-invariant: a row's output does not depend on how many rows run with it. oneDNN computes
+M >= 2 rows with one kernel (bitwise equal per row for every M measured) but a single row with another that
+rounds some sums differently, so a lone row runs as two (the same cost here: ~31 vs ~33 us on 576x1536).
+Without this, verifying K+1 tokens and decoding them one at a time give different bf16 logits and greedy
+speculation parts from plain greedy decoding after a few hundred tokens.
 """
 from __future__ import annotations
 
@@ -21,7 +27,12 @@ def _pack_fp32(weight: torch.Tensor):
 
 def _pack_bf16(weight: torch.Tensor):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # oneDNN's one-row kernel rounds differently from its M >= 2 kernel: run two rows
+            return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x)), packed, None, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return linear
 
 
 PACKERS = {}

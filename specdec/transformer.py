@@ -104,8 +104,28 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v, length)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        attend = batch_invariant_attention if q.dtype == torch.bfloat16 else sdpa_attention
+        y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+def sdpa_attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def batch_invariant_attention(q, k, v, mask):
+    """Eager attention (HF's: bf16 matmuls, fp32 softmax) whose output for a query does not depend on how
+    many queries run with it, so verifying K+1 tokens gives bitwise the rows that decoding them one by one
+    gives (bf16 greedy speculation is then token-exact by construction). CPU SDPA is not: its one-query path
+    rounds differently from its many-query path. Query heads of one kv head share a matmul (no K/V copies)."""
+    bsz, n_heads, seqlen, head_dim = q.shape
+    n_kv, group = k.shape[1], n_heads // k.shape[1]
+    scores = torch.matmul(q.reshape(bsz, n_kv, group * seqlen, head_dim), k.transpose(-1, -2)).float()
+    scores = scores.view(bsz, n_kv, group, seqlen, -1) * head_dim ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype).view(bsz, n_kv, group * seqlen, -1)
+    return torch.matmul(probs, v).view(bsz, n_heads, seqlen, head_dim)
 
 
 class MLP(nn.Module):

@@ -114,3 +114,32 @@ def test_packed_linear_matches_linear_and_repacks_after_in_place_edit(dtype, ato
     assert layer._packed is not first_pack
     layer(x.float().to(dtype)).sum().backward()  # with grad enabled it is a plain Linear
     assert layer.weight.grad is not None and layer.weight.grad.shape == (96, 64)
+
+
+@pytest.fixture(scope="module")
+def wide_bf16(tmp_path_factory):
+    """Two layers at the default model's widths: oneDNN's one-row and many-row bf16 kernels (and CPU SDPA's
+    one- and many-query paths) round differently only at realistic widths."""
+    from conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("wide"), hidden_size=576, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, vocab_size=512)
+    return load_model(str(path), "bf16")
+
+
+def test_bf16_verify_rows_equal_one_at_a_time_decoding_bitwise(wide_bf16):
+    """Speculative verification scores K+1 tokens in one forward; greedy speculation is token-exact only if
+    each row's logits are bitwise those of decoding the tokens one by one."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 512, (90,), generator=g).tolist()
+    dec = Decoder(wide_bf16, 128)
+    dec.forward(ids[:50])
+    one_by_one = torch.stack([dec.forward([t])[0] for t in ids[50:]])
+    dec.rollback(50)
+    chunks, start = [], 50
+    for size in (5, 1, 9, 3, 2, 8, 4, 7, 1):
+        chunks.append(dec.forward(ids[start:start + size]))
+        start += size
+    batched = torch.cat(chunks)
+    assert start == len(ids) and batched.dtype == torch.bfloat16
+    assert torch.equal(batched, one_by_one), f"rows differ at {(batched != one_by_one).any(-1).nonzero().flatten()}"
