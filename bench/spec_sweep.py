@@ -59,7 +59,7 @@ if __name__ == "__main__":
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec.json"))
     args = parser.parse_args()
-    lm = load_model(args.model, args.dtype, args.threads)
+    lm = load_model(args.model, args.dtype, args.threads, "eager")
     tasks = tuple(args.tasks.split(","))
     if set(tasks) - set(SPEC_BENCH_TASKS):
         parser.error(f"--tasks: pick from {','.join(SPEC_BENCH_TASKS)}")

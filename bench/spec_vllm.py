@@ -80,7 +80,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec-vllm.json"))
     args = parser.parse_args()
     set_engine_env()
-    lm = load_model("default", "bf16", args.threads)
+    lm = load_model("default", "bf16", args.threads, "eager")
     prompts = [encode_prompt(lm.tokenizer, t) for t in spec_bench_prompts(1)]
     max_model_len = max(map(len, prompts)) + args.max_new_tokens + 16
     rows = []

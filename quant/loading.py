@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from quant.errors import UserError
 from quant.model_store import resolve_model
-from specdec.transformer import ModelArgs, Transformer
+from specdec.transformer import ATTENTION, ModelArgs, Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -89,8 +89,12 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
-def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int | None = None) -> LoadedModel:
-    """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding."""
+def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int | None = None,
+               attn_implementation: str = "sdpa") -> LoadedModel:
+    """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding. ``attn_implementation``
+    "eager" makes bf16 rows batch-invariant (token-exact greedy speculation); "sdpa" is faster on short histories."""
+    if attn_implementation not in ATTENTION:
+        raise UserError(f"unknown attention {attn_implementation!r}: pick one of {', '.join(ATTENTION)}")
     set_threads(threads)
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     path = resolve_model(name)
@@ -101,4 +105,5 @@ def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int
         model = load_quantized(path, config, torch_dtype)
     else:
         model = build_model(config, load_state_dict(path), torch_dtype)
+    model.attn_implementation = attn_implementation
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)

@@ -7,11 +7,9 @@ whenever the weight changes (in-place edits bump ``weight._version``: calibratio
 so it can never be stale. It costs one extra copy of the dense weights; the plain weight stays the source of
 truth for state dicts, quantization and export. Anything else (grad, other dtypes/devices) uses ``F.linear``.
 
-bf16 rows are batch-invariant: a row's output does not depend on how many rows run with it. oneDNN computes
-M >= 2 rows with one kernel (bitwise equal per row for every M measured) but a single row with another that
-rounds some sums differently, so a lone row runs as two (the same cost here: ~31 vs ~33 us on 576x1536).
-Without this, verifying K+1 tokens and decoding them one at a time give different bf16 logits and greedy
-speculation parts from plain greedy decoding after a few hundred tokens.
+bf16 rows are batch-invariant: a row's output does not depend on how many rows run with it, so verifying
+K+1 tokens gives bitwise the logits of decoding them one by one. oneDNN's one-row kernel breaks that for wide
+inputs (down_proj here), so those layers run a lone row as two (~1-2% of a decode step).
 """
 from __future__ import annotations
 
@@ -29,10 +27,29 @@ def _pack_bf16(weight: torch.Tensor):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:  # oneDNN's one-row kernel rounds differently from its M >= 2 kernel: run two rows
-            return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x)), packed, None, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return linear
+
+    if not _one_row_kernel_differs(linear, weight.shape):
+        return linear
+    return lambda x: linear(torch.cat((x, x)))[:1] if x.shape[0] == 1 else linear(x)
+
+
+_ONE_ROW_DIFFERS: dict[tuple, bool] = {}
+
+
+def _one_row_kernel_differs(linear, shape: torch.Size) -> bool:
+    """Whether ``linear`` gives a row alone other bits than the same row among others. oneDNN runs one bf16
+    row on its own kernel, which here sums inputs wider than 1024 in another order than its many-row kernel
+    (bitwise equal to each other for every M measured). Probed once per shape and thread count with
+    heavy-tailed rows, the kind of activations that expose a different summation order."""
+    key = (tuple(shape), torch.get_num_threads())
+    if key not in _ONE_ROW_DIFFERS:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(33, shape[1], generator=g) * torch.randn(33, shape[1], generator=g).exp()
+        x = x.to(torch.bfloat16)
+        together = linear(x)
+        _ONE_ROW_DIFFERS[key] = any(not torch.equal(linear(x[i:i + 1]), together[i:i + 1]) for i in range(32))
+    return _ONE_ROW_DIFFERS[key]
 
 
 PACKERS = {}

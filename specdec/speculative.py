@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from quant.errors import UserError
 from quant.loading import LoadedModel
 from specdec.generate import Decoder, GenerationResult
@@ -22,12 +24,17 @@ def check_k(k: int) -> int:
 
 
 class SpeculativeDecoder:
-    """Output equals plain decoding token for token when greedy, and in distribution when sampling.
+    """Output equals plain decoding token for token when greedy, and in distribution when sampling. In bf16
+    the target must use batch-invariant ("eager") attention: the logits of a verified token are then bitwise its
+    decoded logits (in fp32 the MKL GEMMs are not batch-invariant; greedy equality is tested, not constructed).
 
     ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches."""
 
     def __init__(self, target: LoadedModel, proposer: Proposer | str, k: int,
                  sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048):
+        if target.dtype == torch.bfloat16 and target.model.attn_implementation != "eager":
+            raise UserError("bf16 speculation needs batch-invariant attention for its output to equal plain "
+                            "decoding: load the target with attn_implementation='eager'")
         self.k = check_k(k)
         self.sampling = sampling
         self.decoder = Decoder(target, max_len)

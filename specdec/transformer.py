@@ -97,35 +97,56 @@ class Attention(nn.Module):
         self.o_proj = PackedLinear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, input_pos, mask, length):
+    def forward(self, x, cos, sin, input_pos, mask, length, attend):
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v, length)
-        attend = batch_invariant_attention if q.dtype == torch.bfloat16 else sdpa_attention
         y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+ATTENTION = {}  # attn_implementation name -> fn(q, k, v, mask) on [batch, heads, len, head_dim]
+
+
+def register_attention(name: str):
+    def register(fn):
+        ATTENTION[name] = fn
+        return fn
+    return register
+
+
+@register_attention("sdpa")
 def sdpa_attention(q, k, v, mask):
+    """Torch's fused kernel: fastest for one query over a short history, but in bf16 its one-query and
+    many-query paths round differently, so a verified token's logits differ from its decoded ones."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+KEY_BLOCK = 1024  # bf16 matmuls sum more than 1024 terms in another order: p @ v runs per fixed key block
+
+
+@register_attention("eager")
 def batch_invariant_attention(q, k, v, mask):
-    """Eager attention (HF's: bf16 matmuls, fp32 softmax) whose output for a query does not depend on how
-    many queries run with it, so verifying K+1 tokens gives bitwise the rows that decoding them one by one
-    gives (bf16 greedy speculation is then token-exact by construction). CPU SDPA is not: its one-query path
-    rounds differently from its many-query path. Query heads of one kv head share a matmul (no K/V copies)."""
+    """HF-style eager attention (bf16 matmuls, fp32 softmax) whose output for a query does not depend on how
+    many queries run with it, so in bf16 verifying K+1 tokens gives bitwise the rows that decoding them one by
+    one gives, and greedy speculation is token-exact by construction. Query heads of one kv head share a
+    matmul (no K/V copies). Slower than SDPA for one query over < ~200 keys, faster beyond."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv, group = k.shape[1], n_heads // k.shape[1]
-    scores = torch.matmul(q.reshape(bsz, n_kv, group * seqlen, head_dim), k.transpose(-1, -2)).float()
-    scores = scores.view(bsz, n_kv, group, seqlen, -1) * head_dim ** -0.5
+    scores = torch.matmul(q.reshape(bsz, n_kv, group * seqlen, head_dim), k.transpose(-1, -2))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype).view(bsz, n_kv, group * seqlen, -1)
-    return torch.matmul(probs, v).view(bsz, n_heads, seqlen, head_dim)
+        scores = scores.view(bsz, n_kv, group, seqlen, -1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float() * head_dim ** -0.5, -1).to(q.dtype).view(bsz, n_kv, group * seqlen, -1)
+    n_keys = k.shape[2]
+    if n_keys <= KEY_BLOCK:
+        out = torch.matmul(probs, v)
+    else:
+        out = sum(torch.matmul(probs[..., s : s + KEY_BLOCK], v[:, :, s : s + KEY_BLOCK]).float()
+                  for s in range(0, n_keys, KEY_BLOCK)).to(q.dtype)
+    return out.view(bsz, n_heads, seqlen, head_dim)
 
 
 class MLP(nn.Module):
@@ -147,8 +168,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, input_pos, mask, length):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, length)
+    def forward(self, x, cos, sin, input_pos, mask, length, attend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, length, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -167,6 +188,7 @@ class Transformer(nn.Module):
         self.max_len = 0
         self.batch = 0
         self.exit_layer: int | None = None  # layer-skip self-drafting: run only the first N layers
+        self.attn_implementation = "sdpa"  # a name in ATTENTION; "eager" is batch-invariant (exact speculation)
 
     def setup_cache(self, batch: int, max_len: int, cache_factory=None) -> None:
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``
@@ -193,8 +215,9 @@ class Transformer(nn.Module):
             mask = key_pos[None, :] <= input_pos[:, None]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
+        attend = ATTENTION[self.attn_implementation]
         for layer in self.layers[:depth]:
-            x = layer(x, cos, sin, input_pos, mask, length)
+            x = layer(x, cos, sin, input_pos, mask, length, attend)
         return self.lm_head(self.norm(x))
 
 

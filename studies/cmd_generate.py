@@ -25,14 +25,16 @@ def generate(
     seed: int = typer.Option(None),
     threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Do not apply the chat template."),
+    attention: str = typer.Option("sdpa", help="sdpa (fastest on short histories) or eager (batch-invariant: "
+                                               "the text `accept` and `check-lossless` compare against in bf16)."),
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    lm = load_model(model, dtype, threads)
+    lm = load_model(model, dtype, threads, attention)
     ids = encode_prompt(lm.tokenizer, prompt, chat=False if no_chat else None)
     result = Decoder(lm, max_len=len(ids) + max_new_tokens + 1).generate(ids, max_new_tokens, sampling)
     console.print(result.text)
-    console.print(f"[dim]{result.summary()} | native {lm.precision}[/]")
+    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention[/]")
 
 
 def print_decode_comparison(record) -> None:

@@ -78,7 +78,8 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
         lengths=LengthDistribution(len(prompts), {"mean": sum(lengths) / len(lengths), "min": min(lengths),
                                                   "max": max(lengths)}, {"fixed": max_new_tokens}, source, True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native", {"dtype": lm.precision, "threads": torch.get_num_threads(),
+        engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
+                                          "threads": torch.get_num_threads(),
                                           "proposer": proposer, "sampling": vars(sampling)},
                                warmup="one 8-token request per engine (plain and each K), excluded",
                                cache_warmth="KV caches reset per request; weights resident in RAM"),
@@ -178,7 +179,7 @@ def accept(
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     ks = parse_ks(k)
     texts = load_prompts(prompts, data_dir, limit)
-    lm = load_model(target, dtype, threads)
+    lm = load_model(target, dtype, threads, "eager")
     record = measure_acceptance(lm, target, build_proposer(draft, lm), ks, texts, prompts, max_new_tokens, sampling)
     print_sweep(record)
     if json_out:
@@ -212,7 +213,7 @@ def check_lossless(
     """Greedy token equality with plain decoding + chi-square/TV of sampled first steps; exit 1 on failure."""
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     check_k(k)
-    lm = load_model(target, dtype, threads)
+    lm = load_model(target, dtype, threads, "eager")
     ids = prompt_ids(lm, load_prompts(prompts, data_dir, max(limit, prefixes)))
     max_len = max(len(p) for p in ids) + max_new_tokens + MAX_K + 1
     spec = SpeculativeDecoder(lm, draft, k, SamplingConfig(), max_len)
@@ -247,7 +248,8 @@ def check_lossless(
             name="specdec-check-lossless", model=model_condition(target, lm), hardware=hardware_info(),
             lengths=LengthDistribution(limit, {"prompts": [len(p) for p in ids]}, {"fixed": max_new_tokens}, prompts, True),
             arrival=ArrivalProcess("batch-1 sequential", 1),
-            engine=EngineCondition("native", {"dtype": lm.precision, "proposer": spec.proposer.label, "k": k,
+            engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
+                                              "proposer": spec.proposer.label, "k": k,
                                               "sampling": vars(sampling)}),
             metric=MetricCondition({"p_value": "scipy chisquare, bins with < 5 expected samples merged",
                                     "tv": "0.5 * sum |empirical - target p|"},

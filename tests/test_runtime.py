@@ -124,7 +124,7 @@ def wide_bf16(tmp_path_factory):
 
     path = make_tiny_llama(tmp_path_factory.mktemp("wide"), hidden_size=576, intermediate_size=1536,
                            num_attention_heads=9, num_key_value_heads=3, vocab_size=512)
-    return load_model(str(path), "bf16")
+    return load_model(str(path), "bf16", attn_implementation="eager")
 
 
 def test_bf16_verify_rows_equal_one_at_a_time_decoding_bitwise(wide_bf16):
@@ -143,3 +143,29 @@ def test_bf16_verify_rows_equal_one_at_a_time_decoding_bitwise(wide_bf16):
     batched = torch.cat(chunks)
     assert start == len(ids) and batched.dtype == torch.bfloat16
     assert torch.equal(batched, one_by_one), f"rows differ at {(batched != one_by_one).any(-1).nonzero().flatten()}"
+
+
+@pytest.mark.parametrize("history", [40, 1016, 2045])
+def test_eager_attention_rows_do_not_depend_on_the_other_queries(history):
+    """Also where a verification's keys cross the 1024-key block that a lone query's keys do not."""
+    from specdec.transformer import batch_invariant_attention
+
+    g = torch.Generator().manual_seed(1)
+    n_q, n = 9, history + 9
+    q = (torch.randn(1, n_q, 9, 64, generator=g) * 2).bfloat16().transpose(1, 2)
+    k = (torch.randn(1, 3, n, 64, generator=g) * 2).bfloat16()
+    v = (torch.randn(1, 3, n, 64, generator=g) * torch.randn(1, 3, n, 64, generator=g).exp()).bfloat16()
+    mask = torch.arange(n)[None, :] <= (history + torch.arange(n_q))[:, None]
+    together = batch_invariant_attention(q, k, v, mask)
+    for i in range(n_q):
+        alone = batch_invariant_attention(q[:, :, i : i + 1], k[:, :, : history + i + 1], v[:, :, : history + i + 1], None)
+        assert torch.equal(alone[:, :, 0], together[:, :, i]), i
+
+
+def test_unknown_attention_and_bf16_speculation_without_it(tiny_llama_dir):
+    from specdec.speculative import SpeculativeDecoder
+
+    with pytest.raises(UserError, match="unknown attention"):
+        load_model(str(tiny_llama_dir), "bf16", attn_implementation="flash")
+    with pytest.raises(UserError, match="attn_implementation='eager'"):
+        SpeculativeDecoder(load_model(str(tiny_llama_dir), "bf16"), "ngram", 4)

@@ -28,7 +28,7 @@ class NativeBackend(Backend):
         super().__init__(config)
         from quant.loading import load_model
 
-        self.lm = load_model(config.model, "bf16", config.threads)
+        self.lm = load_model(config.model, "bf16", config.threads, "eager")  # batch-invariant: exact speculation
         self.quant_report = None
         self.scheme_info = self._quantize()
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
@@ -64,7 +64,8 @@ class NativeBackend(Backend):
         return self.lm.tokenizer
 
     def engine_config(self) -> dict:
-        return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16", "scheme": self.scheme_info,
+        return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16",
+                "attention": self.lm.model.attn_implementation, "scheme": self.scheme_info,
                 "method": self.config.method if self.quant_report else None,
                 "kernels": self.quant_report.kernels if self.quant_report else None, "kv": self.config.kv,
                 "spec": self.config.spec_label, "max_len": self.config.max_model_len,
