@@ -56,10 +56,15 @@ if __name__ == "__main__":
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--proposer", action="append", default=None)
     parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--reference-attention", default="sdpa",
+                        help="Also time plain decoding with this attention (the faster, not batch-invariant one); "
+                             "'' to skip. Speculation always runs the batch-invariant 'eager'.")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec.json"))
     args = parser.parse_args()
     lm = load_model(args.model, args.dtype, args.threads, "eager")
+    reference = load_model(args.model, args.dtype, args.threads, args.reference_attention) \
+        if args.reference_attention else None
     tasks = tuple(args.tasks.split(","))
     if set(tasks) - set(SPEC_BENCH_TASKS):
         parser.error(f"--tasks: pick from {','.join(SPEC_BENCH_TASKS)}")
@@ -70,7 +75,7 @@ if __name__ == "__main__":
         for temperature in (float(t) for t in args.temperatures.split(",")):
             record = measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
                                         f"spec_bench: first {args.per_category} of each task {tasks}",
-                                        args.max_new_tokens, SamplingConfig(temperature, seed=0))
+                                        args.max_new_tokens, SamplingConfig(temperature, seed=0), reference)
             record.results["load_average_after"] = os.getloadavg()
             print_sweep(record)
             records.append(record)

@@ -82,21 +82,28 @@ class SweepResult:
 
 
 def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: list[list[int]],
-              max_new_tokens: int, sampling: SamplingConfig, tick: Tick = lambda _: None) -> SweepResult:
+              max_new_tokens: int, sampling: SamplingConfig, tick: Tick = lambda _: None,
+              reference: LoadedModel | None = None) -> SweepResult:
     """Per prompt: plain decoding, then speculative decoding at every K (interleaved, so load drift on a
-    shared machine hits all rows alike); one excluded warm-up request per engine and K first."""
+    shared machine hits all rows alike); one excluded warm-up request per engine and K first. ``reference``:
+    plain decoding on another build of the target too (e.g. its faster, not batch-invariant attention), so
+    rows also carry the speedup over that."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
-    plain = Decoder(target, max_len)
+    plains = [Decoder(target, max_len)] + ([Decoder(reference, max_len)] if reference else [])
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len)
     warm = prompts[0], min(8, max_new_tokens)
-    plain.generate(*warm, sampling, ignore_eos=True)
+    for plain in plains:
+        plain.generate(*warm, sampling, ignore_eos=True)
     for k in ks:
         spec.k = k
         spec.generate(*warm, ignore_eos=True)
-    base, runs = [], {k: [] for k in ks}
+    base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
-        base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=True))
+        base.append(plains[0].generate(ids, max_new_tokens, sampling, ignore_eos=True))
         tick("plain")
+        if reference:
+            ref.append(plains[1].generate(ids, max_new_tokens, sampling, ignore_eos=True))
+            tick("reference plain")
         for k in ks:
             spec.k = k
             runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=True))
@@ -119,8 +126,13 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
                                 "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results]
         if sampling.greedy:
             row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
+        if reference:
+            row["speedup_vs_reference"] = tok_s / decode_rate(ref)[0]
         rows.append(row)
     baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
                 "per_request_tok_s": [r.decode_tokens_per_s for r in base],
                 "output_tokens": [len(r.tokens) for r in base]}
+    if reference:
+        baseline["reference"] = {"attention": reference.model.attn_implementation, "tok_s": decode_rate(ref)[0],
+                                 "per_request_tok_s": [r.decode_tokens_per_s for r in ref]}
     return SweepResult(baseline, rows, curve)

@@ -96,12 +96,14 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
 def print_sweep(record: RunRecord) -> None:
     res = record.results
     base = res["baseline"]
+    ref = base.get("reference")
+    ref_title = f", plain with {ref['attention']} attention {ref['tok_s']:.1f}" if ref else ""
     table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
                         f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
-                        f"x {record.lengths.output_tokens['fixed']} tokens; plain {base['tok_s']:.1f} tok/s")
+                        f"x {record.lengths.output_tokens['fixed']} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
     cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
-    for col in cols + (["=greedy"] if greedy else []):
+    for col in cols + (["=greedy"] if greedy else []) + ([f"vs {ref['attention']}"] if ref else []):
         table.add_column(col, justify="right")
     for r in res["rows"]:
         cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['beta']:.2f}", f"{r['tau']:.2f}",
@@ -110,6 +112,8 @@ def print_sweep(record: RunRecord) -> None:
                  f"{r['c']:.3f}", f"{r['verify_cost']:.2f}"]
         if greedy:
             cells.append(f"{r['greedy_equal']}/{record.lengths.n_requests}")
+        if ref:
+            cells.append(f"{r['speedup_vs_reference']:.2f}")
         table.add_row(*cells)
     console.print(table)
     console.print(f"recommended K: {res['best_k_measured']} (best measured speedup); theory with the largest K's "
@@ -146,13 +150,14 @@ def plot_sweep(record: RunRecord, path: str) -> None:
 
 
 def measure_acceptance(lm: LoadedModel, target: str, proposer: Proposer, ks: list[int], texts: list[str],
-                       source: str, max_new_tokens: int, sampling: SamplingConfig) -> RunRecord:
-    """Python API behind ``quantspec accept``: a RunRecord with one row per K."""
+                       source: str, max_new_tokens: int, sampling: SamplingConfig,
+                       reference: LoadedModel | None = None) -> RunRecord:
+    """Python API behind ``quantspec accept``: a RunRecord with one row per K (``reference``: see run_sweep)."""
     prompts = prompt_ids(lm, texts)
     with progress_bar() as bar:
-        task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1))
+        task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1 + (reference is not None)))
         sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling,
-                          lambda what: bar.update(task, advance=1, description=what))
+                          lambda what: bar.update(task, advance=1, description=what), reference)
     return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep)
 
 

@@ -287,3 +287,18 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
                     "--prompts", str(prompts), "--limit", "2", "-n", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
                     "--threads", "1", "--json", str(tmp_path / "lossless.json")])
     assert code == 0 and json.loads((tmp_path / "lossless.json").read_text())["results"]["passed"]
+
+
+def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
+    from studies.cmd_specdec import measure_acceptance
+
+    lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    reference = load_model(str(tiny_llama_dir), "bf16", attn_implementation="sdpa")
+    record = measure_acceptance(lm, "tiny", build_proposer("ngram:min=1,max=3", lm), [2, 4],
+                                ["abcabcabc abc", "hello hello hel"], "inline", 16, SamplingConfig(), reference)
+    base = record.results["baseline"]
+    assert base["reference"]["attention"] == "sdpa" and base["reference"]["tok_s"] > 0
+    assert record.engine.config["attention"] == "eager"
+    for row in record.results["rows"]:
+        assert row["greedy_equal"] == 2
+        assert row["speedup_vs_reference"] == pytest.approx(row["tok_s"] / base["reference"]["tok_s"])
