@@ -59,6 +59,8 @@ if __name__ == "__main__":
     parser.add_argument("--reference-attention", default="sdpa",
                         help="Also time plain decoding with this attention (the faster, not batch-invariant one); "
                              "'' to skip. Speculation always runs the batch-invariant 'eager'.")
+    parser.add_argument("--natural-eos", action="store_true",
+                        help="Stop at the end of turn (Spec-Bench's protocol) instead of a fixed output length.")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec.json"))
     args = parser.parse_args()
@@ -75,7 +77,8 @@ if __name__ == "__main__":
         for temperature in (float(t) for t in args.temperatures.split(",")):
             record = measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
                                         f"spec_bench: first {args.per_category} of each task {tasks}",
-                                        args.max_new_tokens, SamplingConfig(temperature, seed=0), reference)
+                                        args.max_new_tokens, SamplingConfig(temperature, seed=0), reference,
+                                        ignore_eos=not args.natural_eos)
             record.results["load_average_after"] = os.getloadavg()
             print_sweep(record)
             records.append(record)

@@ -83,11 +83,12 @@ class SweepResult:
 
 def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: list[list[int]],
               max_new_tokens: int, sampling: SamplingConfig, tick: Tick = lambda _: None,
-              reference: LoadedModel | None = None) -> SweepResult:
+              reference: LoadedModel | None = None, ignore_eos: bool = True) -> SweepResult:
     """Per prompt: plain decoding, then speculative decoding at every K (interleaved, so load drift on a
     shared machine hits all rows alike); one excluded warm-up request per engine and K first. ``reference``:
     plain decoding on another build of the target too (e.g. its faster, not batch-invariant attention), so
-    rows also carry the speedup over that."""
+    rows also carry the speedup over that. ``ignore_eos=False`` stops every run at the model's end of turn
+    (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
     plains = [Decoder(target, max_len)] + ([Decoder(reference, max_len)] if reference else [])
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len)
@@ -99,14 +100,14 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
         spec.generate(*warm, ignore_eos=True)
     base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
-        base.append(plains[0].generate(ids, max_new_tokens, sampling, ignore_eos=True))
+        base.append(plains[0].generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
         tick("plain")
         if reference:
-            ref.append(plains[1].generate(ids, max_new_tokens, sampling, ignore_eos=True))
+            ref.append(plains[1].generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
             tick("reference plain")
         for k in ks:
             spec.k = k
-            runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=True))
+            runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=ignore_eos))
             tick(f"K={k}")
     plain_tok_s, step_s = decode_rate(base)
     curve = verify_cost_curve(target, prompts[0], max(ks), max_len)

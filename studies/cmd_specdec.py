@@ -69,14 +69,17 @@ def model_condition(target: str, lm: LoadedModel) -> ModelCondition:
 
 
 def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: SamplingConfig, source: str,
-                 prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult) -> RunRecord:
+                 prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult, ignore_eos: bool = True) -> RunRecord:
     lengths = [len(p) for p in prompts]
+    emitted = sweep.baseline["output_tokens"]
+    output = {"fixed": max_new_tokens} if ignore_eos else {
+        "max": max_new_tokens, "stop": "end of turn", "mean": sum(emitted) / len(emitted), "min": min(emitted)}
     return RunRecord(
         name="specdec-accept",
         model=model_condition(target, lm),
         hardware=hardware_info(),
         lengths=LengthDistribution(len(prompts), {"mean": sum(lengths) / len(lengths), "min": min(lengths),
-                                                  "max": max(lengths)}, {"fixed": max_new_tokens}, source, True),
+                                                  "max": max(lengths)}, output, source, ignore_eos),
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
                                           "threads": torch.get_num_threads(),
@@ -84,13 +87,20 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
                                warmup="one 8-token request per engine (plain and each K), excluded",
                                cache_warmth="KV caches reset per request; weights resident in RAM"),
         metric=MetricCondition(METRICS, "greedy rows: tokens compared with plain greedy decoding "
-                                        "(greedy_equal = identical requests); ignore_eos, fixed output length"),
+                                        "(greedy_equal = identical requests); " + (
+                                            "ignore_eos, fixed output length" if ignore_eos else
+                                            "stop at end of turn (same tokens for plain and greedy speculation)")),
         results={"proposer": proposer, "baseline": sweep.baseline, "rows": sweep.rows,
                  "verify_cost_curve": sweep.verify_cost, "best_k_measured": sweep.best_k,
                  "best_k_theory": best_k(sweep.rows[-1]["beta"], sweep.rows[-1]["c"],
                                          lambda k: sweep.verify_cost[min(k, len(sweep.verify_cost) - 1)],
                                          k_max=len(sweep.verify_cost) - 1)},
     )
+
+
+def output_length(record: RunRecord) -> str:
+    out = record.lengths.output_tokens
+    return str(out["fixed"]) if "fixed" in out else f"{out['mean']:.0f} (to end of turn, <= {out['max']})"
 
 
 def print_sweep(record: RunRecord) -> None:
@@ -100,7 +110,7 @@ def print_sweep(record: RunRecord) -> None:
     ref_title = f", plain with {ref['attention']} attention {ref['tok_s']:.1f}" if ref else ""
     table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
                         f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
-                        f"x {record.lengths.output_tokens['fixed']} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
+                        f"x {output_length(record)} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
     cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
     for col in cols + (["=greedy"] if greedy else []) + ([f"vs {ref['attention']}"] if ref else []):
@@ -151,14 +161,15 @@ def plot_sweep(record: RunRecord, path: str) -> None:
 
 def measure_acceptance(lm: LoadedModel, target: str, proposer: Proposer, ks: list[int], texts: list[str],
                        source: str, max_new_tokens: int, sampling: SamplingConfig,
-                       reference: LoadedModel | None = None) -> RunRecord:
-    """Python API behind ``quantspec accept``: a RunRecord with one row per K (``reference``: see run_sweep)."""
+                       reference: LoadedModel | None = None, ignore_eos: bool = True) -> RunRecord:
+    """Python API behind ``quantspec accept``: a RunRecord with one row per K (``reference``, ``ignore_eos``:
+    see run_sweep)."""
     prompts = prompt_ids(lm, texts)
     with progress_bar() as bar:
         task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1 + (reference is not None)))
         sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling,
-                          lambda what: bar.update(task, advance=1, description=what), reference)
-    return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep)
+                          lambda what: bar.update(task, advance=1, description=what), reference, ignore_eos)
+    return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep, ignore_eos)
 
 
 @app.command()
@@ -170,6 +181,7 @@ def accept(
     prompts: str = typer.Option("spec_bench", help="spec_bench | mt_bench | PATH.jsonl"),
     limit: int = typer.Option(8, help="Number of prompts."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Fixed output length (ignore_eos)."),
+    natural_eos: bool = typer.Option(False, "--natural-eos", help="Stop at the end of turn instead (at most -n)."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0),
     top_p: float = typer.Option(1.0),
@@ -185,7 +197,8 @@ def accept(
     ks = parse_ks(k)
     texts = load_prompts(prompts, data_dir, limit)
     lm = load_model(target, dtype, threads, "eager")
-    record = measure_acceptance(lm, target, build_proposer(draft, lm), ks, texts, prompts, max_new_tokens, sampling)
+    record = measure_acceptance(lm, target, build_proposer(draft, lm), ks, texts, prompts, max_new_tokens, sampling,
+                                ignore_eos=not natural_eos)
     print_sweep(record)
     if json_out:
         console.print(f"run record: {record.write(json_out)}")

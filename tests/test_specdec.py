@@ -302,3 +302,19 @@ def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
     for row in record.results["rows"]:
         assert row["greedy_equal"] == 2
         assert row["speedup_vs_reference"] == pytest.approx(row["tok_s"] / base["reference"]["tok_s"])
+
+
+def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
+    from studies.cmd_specdec import measure_acceptance, output_length
+
+    eos = target.tokenizer.eos_token_id
+    stops = replace(target, model=copy.deepcopy(target.model))
+    first_pick = Decoder(target, 64).generate(PROMPT, 30, ignore_eos=True).tokens[3]
+    with torch.no_grad():  # the end of turn wins wherever that token would have (once its logit is positive)
+        stops.model.lm_head.weight[eos] = stops.model.lm_head.weight[first_pick] * 1.5
+    prompt = target.tokenizer.decode(PROMPT)
+    record = measure_acceptance(stops, "tiny", build_proposer("ngram:min=1,max=3", stops), [2], [prompt, "hello"],
+                                "inline", 30, SamplingConfig(), ignore_eos=False)
+    out = record.lengths.output_tokens
+    assert record.lengths.fixed_output_length is False and out["max"] == 30 and out["min"] < 30
+    assert record.results["rows"][0]["greedy_equal"] == 2 and "end of turn" in output_length(record)
