@@ -129,10 +129,13 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
         if reference:
             row["speedup_vs_reference"] = tok_s / decode_rate(ref)[0]
+        ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
+        if not ignore_eos and ended:  # the answers the model finished, apart from runs that loop to the limit
+            row["speedup_ended"] = decode_rate([results[i] for i in ended])[0] / decode_rate([base[i] for i in ended])[0]
         rows.append(row)
     baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
                 "per_request_tok_s": [r.decode_tokens_per_s for r in base],
-                "output_tokens": [len(r.tokens) for r in base]}
+                "output_tokens": [len(r.tokens) for r in base], "ended": [r.finish_reason == "eos" for r in base]}
     if reference:
         baseline["reference"] = {"attention": reference.model.attn_implementation, "tok_s": decode_rate(ref)[0],
                                  "per_request_tok_s": [r.decode_tokens_per_s for r in ref]}

@@ -113,7 +113,10 @@ def print_sweep(record: RunRecord) -> None:
                         f"x {output_length(record)} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
     cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
-    for col in cols + (["=greedy"] if greedy else []) + ([f"vs {ref['attention']}"] if ref else []):
+    ended = "speedup_ended" in res["rows"][0]
+    extra = (["=greedy"] if greedy else []) + ([f"vs {ref['attention']}"] if ref else []) + (
+        [f"ended ({sum(base['ended'])})"] if ended else [])
+    for col in cols + extra:
         table.add_column(col, justify="right")
     for r in res["rows"]:
         cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['beta']:.2f}", f"{r['tau']:.2f}",
@@ -124,6 +127,8 @@ def print_sweep(record: RunRecord) -> None:
             cells.append(f"{r['greedy_equal']}/{record.lengths.n_requests}")
         if ref:
             cells.append(f"{r['speedup_vs_reference']:.2f}")
+        if ended:
+            cells.append(f"{r['speedup_ended']:.2f}")
         table.add_row(*cells)
     console.print(table)
     console.print(f"recommended K: {res['best_k_measured']} (best measured speedup); theory with the largest K's "

@@ -318,3 +318,4 @@ def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
     out = record.lengths.output_tokens
     assert record.lengths.fixed_output_length is False and out["max"] == 30 and out["min"] < 30
     assert record.results["rows"][0]["greedy_equal"] == 2 and "end of turn" in output_length(record)
+    assert record.results["baseline"]["ended"][0] and record.results["rows"][0]["speedup_ended"] > 0
