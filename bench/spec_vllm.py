@@ -71,7 +71,7 @@ def shut(llm) -> None:
 
 
 if __name__ == "__main__":
-    from bench.specdec import spec_bench_prompts
+    from spec_sweep import spec_bench_prompts  # bench/ is on sys.path when run as a script
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=64)
