@@ -172,7 +172,8 @@ def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
                    progress: bool = True) -> QuantReport:
     """``quantize_model`` for a model just loaded from ``lm.path``: the result is memoised per (checkpoint,
     dtype, scheme, method, calibration set) in this process, so a search that evaluates quality, speed and a
-    greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy."""
+    greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy, with the
+    attention ``lm`` was loaded with (a runtime choice, not part of the quantized weights)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     calib_label = calib.label if calib is not None else "default"
     key = (str(lm.path), lm.dtype, scheme.label, method, calib_label)
@@ -184,5 +185,7 @@ def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         return report
     model, report = _quantized_models.pop(key)
     _quantized_models[key] = (model, report)  # most recently used last
+    attention = lm.model.attn_implementation
     lm.model = copy.deepcopy(model)
+    lm.model.attn_implementation = attention
     return report

@@ -181,3 +181,7 @@ def test_quantize_fresh_calibrates_once_per_configuration(tiny_llama_dir, monkey
     assert report.scheme.label == "w4g32-asym" and second.model is not first.model
     assert torch.equal(logits(first), logits(second))
     assert not torch.equal(logits(first), logits(other))
+    eager = load_model(str(tiny_llama_dir), attn_implementation="eager")  # e.g. the serving backend after an eval
+    qq.quantize_fresh(eager, "w4g32-asym", "mse")
+    assert calls == ["mse", "mse"] and eager.model.attn_implementation == "eager"
+    assert first.model.attn_implementation == "sdpa"
