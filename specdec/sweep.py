@@ -75,6 +75,7 @@ class SweepResult:
     baseline: dict
     rows: list[dict]
     verify_cost: list[float]
+    ignore_eos: bool = True
 
     @property
     def best_k(self) -> int:
@@ -90,26 +91,31 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     rows also carry the speedup over that. ``ignore_eos=False`` stops every run at the model's end of turn
     (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
-    plains = [Decoder(target, max_len)] + ([Decoder(reference, max_len)] if reference else [])
+    plain = Decoder(target, max_len)
+    reference_plain = Decoder(reference, max_len) if reference else None
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len)
     warm = prompts[0], min(8, max_new_tokens)
-    for plain in plains:
-        plain.generate(*warm, sampling, ignore_eos=True)
+    for decoder in filter(None, (plain, reference_plain)):
+        decoder.generate(*warm, sampling, ignore_eos=True)
     for k in ks:
         spec.k = k
         spec.generate(*warm, ignore_eos=True)
     base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
-        base.append(plains[0].generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
+        base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
         tick("plain")
-        if reference:
-            ref.append(plains[1].generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
+        if reference_plain:
+            ref.append(reference_plain.generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
             tick("reference plain")
         for k in ks:
             spec.k = k
             runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=ignore_eos))
             tick(f"K={k}")
     plain_tok_s, step_s = decode_rate(base)
+    ref_tok_s = decode_rate(ref)[0] if ref else None
+    # to the end of turn: also the rate over the answers the model finished, apart from runs that loop to the limit
+    ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
+    ended_tok_s = decode_rate([base[i] for i in ended])[0] if ended and not ignore_eos else None
     curve = verify_cost_curve(target, prompts[0], max(ks), max_len)
     rows = []
     for k, results in runs.items():
@@ -127,16 +133,15 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
                                 "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results]
         if sampling.greedy:
             row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
-        if reference:
-            row["speedup_vs_reference"] = tok_s / decode_rate(ref)[0]
-        ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
-        if not ignore_eos and ended:  # the answers the model finished, apart from runs that loop to the limit
-            row["speedup_ended"] = decode_rate([results[i] for i in ended])[0] / decode_rate([base[i] for i in ended])[0]
+        if ref_tok_s:
+            row["speedup_vs_reference"] = tok_s / ref_tok_s
+        if ended_tok_s:
+            row["speedup_ended"] = decode_rate([results[i] for i in ended])[0] / ended_tok_s
         rows.append(row)
     baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
                 "per_request_tok_s": [r.decode_tokens_per_s for r in base],
                 "output_tokens": [len(r.tokens) for r in base], "ended": [r.finish_reason == "eos" for r in base]}
     if reference:
-        baseline["reference"] = {"attention": reference.model.attn_implementation, "tok_s": decode_rate(ref)[0],
+        baseline["reference"] = {"attention": reference.model.attn_implementation, "tok_s": ref_tok_s,
                                  "per_request_tok_s": [r.decode_tokens_per_s for r in ref]}
-    return SweepResult(baseline, rows, curve)
+    return SweepResult(baseline, rows, curve, ignore_eos)

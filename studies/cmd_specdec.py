@@ -69,9 +69,9 @@ def model_condition(target: str, lm: LoadedModel) -> ModelCondition:
 
 
 def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: SamplingConfig, source: str,
-                 prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult, ignore_eos: bool = True) -> RunRecord:
+                 prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult) -> RunRecord:
     lengths = [len(p) for p in prompts]
-    emitted = sweep.baseline["output_tokens"]
+    emitted, ignore_eos = sweep.baseline["output_tokens"], sweep.ignore_eos
     output = {"fixed": max_new_tokens} if ignore_eos else {
         "max": max_new_tokens, "stop": "end of turn", "mean": sum(emitted) / len(emitted), "min": min(emitted)}
     return RunRecord(
@@ -174,7 +174,7 @@ def measure_acceptance(lm: LoadedModel, target: str, proposer: Proposer, ks: lis
         task = bar.add_task("plain", total=len(prompts) * (len(ks) + 1 + (reference is not None)))
         sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling,
                           lambda what: bar.update(task, advance=1, description=what), reference, ignore_eos)
-    return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep, ignore_eos)
+    return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep)
 
 
 @app.command()

@@ -37,6 +37,11 @@ def test_bad_dtype(tiny_llama_dir):
     assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--dtype", "fp7"), "unknown dtype")
 
 
+def test_bad_attention(tiny_llama_dir):
+    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--attention", "flash"),
+                          "unknown attention")
+
+
 def test_default_model_not_fetched(tmp_path):
     proc = run_cli("generate", "-p", "hi", env={"QUANTSPEC_HOME": str(tmp_path)})
     assert_one_line_error(proc, "quantspec model fetch")
