@@ -17,7 +17,8 @@ from quant.errors import UserError
 from quant.loading import LoadedModel, load_model
 from quant.model_store import SMOLLM2, is_default_model, weights_hash
 from specdec.generate import encode_prompt
-from specdec.lossless import first_step_test, greedy_mismatches, synthetic_test
+from specdec.lossless import (ALPHA, AcceptanceTest, Chain, DistributionTest, FirstStepTest, JointTest, bonus_test,
+                              first_step_test, greedy_mismatches, joint_test)
 from specdec.proposers import Proposer, build_proposer
 from specdec.sampling import SamplingConfig
 from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
@@ -212,6 +213,39 @@ def accept(
         console.print(f"plot: {plot}")
 
 
+def distribution_detail(t: DistributionTest) -> str:
+    detect = (f"detectable TV {t.detectable_tv:.3f} at power {t.power:g}" if t.detectable_tv < 1 else
+              "detects no TV at this sample count (raise the samples or narrow the distribution, e.g. --top-k)")
+    return (f"TV {t.tv:.3f} vs threshold {t.tv_threshold:.3f} (exact sampler E[TV] <= {t.tv_bound:.3f}); {detect}; "
+            f"chi2 p={t.p_value:.3g} (info)")
+
+
+def acceptance_detail(a: AcceptanceTest) -> str:
+    return (f"{a.rate:.3f} vs Σmin(p,q) = {a.expected:.3f} over {a.rounds} rounds, region "
+            f"[{a.region[0] / a.rounds:.3f}, {a.region[1] / a.rounds:.3f}]; detectable shift {a.detectable_shift:.3f}")
+
+
+def lossless_rows(model_tests: list[FirstStepTest], joint: JointTest, bonus: DistributionTest, samples: int,
+                  temperature: float) -> list[tuple[str, bool | None, str]]:
+    """(check, passed or None for information, detail): one fact per row."""
+    rows = []
+    for i, t in enumerate(model_tests):
+        rows.append((f"prefix {i}: first token ({samples} samples, T={temperature})", t.distribution.passed,
+                     distribution_detail(t.distribution)))
+        rows.append((f"prefix {i}: first-position acceptance", None, "no draft after this prefix") if t.acceptance is None
+                    else (f"prefix {i}: first-position acceptance", t.acceptance.passed, acceptance_detail(t.acceptance)))
+    rows.append((f"synthetic V={SYNTHETIC_VOCAB}: first 3 tokens jointly (K=2)", joint.distribution.passed,
+                 distribution_detail(joint.distribution)))
+    rows.append((f"synthetic V={SYNTHETIC_VOCAB}: first-position acceptance", joint.acceptance.passed,
+                 acceptance_detail(joint.acceptance)))
+    rows.append((f"synthetic V={SYNTHETIC_VOCAB}: bonus token after K=2 accepted", bonus.passed,
+                 f"{bonus.samples} bonus tokens; " + distribution_detail(bonus)))
+    return rows
+
+
+SYNTHETIC_VOCAB = 6
+
+
 @app.command("check-lossless")
 def check_lossless(
     target: str = typer.Option("default", "--target", "-m"),
@@ -222,18 +256,22 @@ def check_lossless(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
     samples: int = typer.Option(400, help="Independent first-step samples per prefix for the distribution test."),
     prefixes: int = typer.Option(2, help="Prefixes (the first prompts) for the distribution test."),
-    synthetic_samples: int = typer.Option(20000, help="Samples of the synthetic-vocabulary test (known p, q)."),
+    synthetic_samples: int = typer.Option(20000, help="Generations of the synthetic-vocabulary test (known p, q)."),
     temperature: float = typer.Option(1.0, help="Sampling temperature of the distribution test."),
     top_k: int = typer.Option(0),
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
     dtype: str = typer.Option("fp32"),
     threads: int = typer.Option(None, help="torch threads (1 is fastest on a busy 2-core machine)."),
-    min_p_value: float = typer.Option(1e-3, help="A chi-square p-value below this fails the check."),
+    alpha: float = typer.Option(ALPHA, help="False-alarm bound of each distribution and acceptance test."),
     json_out: str = typer.Option(None, "--json"),
     data_dir: str = DataDirOption,
 ):
-    """Greedy token equality with plain decoding + chi-square/TV of sampled first steps; exit 1 on failure."""
+    """Greedy token equality with plain decoding; sampled first steps (TV beyond the exact-sampler noise, first-
+    position acceptance vs Σ min(p, q)) and a synthetic joint/bonus test, each with its detectable effect at
+    power 0.999 printed; exit 1 on failure."""
+    if not 0 < alpha < 1:
+        raise UserError(f"--alpha must be in (0, 1), got {alpha}")
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     check_k(k)
     lm = load_model(target, dtype, threads, "eager")
@@ -246,26 +284,21 @@ def check_lossless(
         mismatches = greedy_mismatches(spec, ids[:limit], max_new_tokens, tick)
         bar.update(task, description="first-step distribution")
         spec.sampling = sampling
-        model_tests = [first_step_test(spec, p, samples, tick) for p in ids[:prefixes]]
-    synthetic = {name: synthetic_test(n=synthetic_samples, one_hot=one_hot, seed=seed)
-                 for name, one_hot in (("sampled q", False), ("one-hot q", True))}
-    table = Table(title=f"check-lossless {spec.proposer.label}, K={k}, {lm.precision}")
+        model_tests = [first_step_test(spec, p, samples, tick, alpha) for p in ids[:prefixes]]
+    chain = Chain.random(SYNTHETIC_VOCAB, seed)
+    joint = joint_test(chain, k=2, length=3, n=synthetic_samples, seed=seed, alpha=alpha)
+    bonus = bonus_test(chain, k=2, n=synthetic_samples, seed=seed, alpha=alpha)
+    table = Table(title=f"check-lossless {spec.proposer.label}, K={k}, {lm.precision}, false alarm <= {alpha:g} per test")
     for col in ("check", "result", "detail"):
         table.add_column(col)
-    failed = bool(mismatches)
     table.add_row("greedy == plain greedy", "FAIL" if mismatches else "ok",
                   f"{limit - len(mismatches)}/{limit} prompts token-exact over {max_new_tokens} tokens"
                   + (f"; first: {mismatches[0]}" if mismatches else ""))
-    tests = [(f"prefix {i} ({samples} samples, T={temperature})", t) for i, t in enumerate(model_tests)]
-    tests += [(f"synthetic V=12, {name} ({t.samples} samples)", t) for name, (t, _, _) in synthetic.items()]
-    for name, t in tests:
-        bad = t.p_value < min_p_value
-        failed |= bad
-        table.add_row(name, "FAIL" if bad else "ok",
-                      f"chi2 {t.chi2:.1f} (dof {t.dof}), p={t.p_value:.3g}, TV {t.tv:.3f} (exact-sampler TV {t.tv_noise:.3f})")
-    for name, (_, measured, expected) in synthetic.items():
-        table.add_row(f"synthetic {name}: first-token acceptance", "info", f"{measured:.3f} vs Σmin(p,q) = {expected:.3f}")
+    rows = lossless_rows(model_tests, joint, bonus, samples, temperature)
+    for name, passed, detail in rows:
+        table.add_row(name, "info" if passed is None else "ok" if passed else "FAIL", detail)
     console.print(table)
+    failed = bool(mismatches) or any(passed is False for _, passed, _ in rows)
     if json_out:
         RunRecord(
             name="specdec-check-lossless", model=model_condition(target, lm), hardware=hardware_info(),
@@ -274,13 +307,16 @@ def check_lossless(
             engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
                                               "proposer": spec.proposer.label, "k": k,
                                               "sampling": vars(sampling)}),
-            metric=MetricCondition({"p_value": "scipy chisquare, bins with < 5 expected samples merged",
-                                    "tv": "0.5 * sum |empirical - target p|"},
-                                   f"greedy token-exact; every chi-square p-value >= {min_p_value}"),
+            metric=MetricCondition({"tv": "0.5 * sum |empirical - target p|; fails above tv_threshold = "
+                                          "tv_bound + sqrt(ln(1/alpha)/(2n)) (McDiarmid)",
+                                    "detectable_tv": "true TV failed with probability >= power",
+                                    "acceptance": "first draft token accepted / rounds vs Σ min(p, q); fails "
+                                                  "outside the exact binomial region at level alpha",
+                                    "p_value": "scipy chisquare, bins with < 5 expected samples merged (info)"},
+                                   f"greedy token-exact; every TV and acceptance test passes at alpha={alpha:g}"),
             results={"passed": not failed, "greedy_mismatches": mismatches,
                      "first_step": [t.to_dict() for t in model_tests],
-                     "synthetic": {n: {**t.to_dict(), "first_acceptance": a, "expected_acceptance": e}
-                                   for n, (t, a, e) in synthetic.items()}},
+                     "synthetic": {"vocab": SYNTHETIC_VOCAB, "joint": joint.to_dict(), "bonus": bonus.to_dict()}},
         ).write(json_out)
     if failed:
         console.print("[red]lossless check FAILED[/]")

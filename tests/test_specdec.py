@@ -2,23 +2,26 @@
 exact sampling distributions, the paper's Table 1, and bad input through the CLI."""
 import copy
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from scipy import stats as scipy_stats
 
 from conftest import make_tiny_llama
 from quant.errors import UserError
 from quant.loading import load_model
 from specdec.generate import Decoder
-from specdec.lossless import compare_to_reference, first_step_test, synthetic_test
+from specdec.lossless import Chain, acceptance_test, bonus_test, compare_to_reference, first_step_test, joint_test
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import build_proposer
 from specdec.proposers.draft import DraftModelProposer
 from specdec.proposers.ngram import lookup
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
 from specdec.speculative import SpeculativeDecoder
 from specdec.theory import best_k, expected_tokens, operations_factor, walltime_speedup
+from specdec.verify import Verdict
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
 
@@ -169,25 +172,167 @@ def test_beta_recovers_the_iid_acceptance_rate_and_predicts_tau():
     assert expected_tokens(stats.beta, k) == pytest.approx(stats.tau, rel=0.01)
 
 
+# --- sampling distributions: checks of known size and power (specdec/lossless.py), negative controls ------------
+
+CHAIN = Chain.random(vocab=6, seed=1)  # bigram target and a draft that differs (first-position acceptance 0.90)
+JOINT_N = 20000
+
+
+def rule(p, draft, q, g, always_accept=False, bonus_row_offset=0, renormalise=True, q_temperature_ratio=1.0):
+    """verify_sampling with one knob per way to break it (the knobs' defaults give the exact rule)."""
+    if q is not None and q_temperature_ratio != 1.0:  # q at another temperature than the draft was sampled with
+        q = (q.log() * q_temperature_ratio).softmax(-1)
+    for i, token in enumerate(draft):
+        q_x = 1.0 if q is None else float(q[i, token])
+        if always_accept or float(torch.rand((), generator=g)) * q_x < float(p[i, token]):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0) if q is not None else p[i].index_fill(0, torch.tensor(token), 0.0)
+        if renormalise:
+            return Verdict(i, int(sample_from(residual / residual.sum(), g)))
+        u = torch.rand(1, generator=g)  # inverse CDF of the raw residual: its missing mass lands on the last token
+        return Verdict(i, min(int(torch.searchsorted(residual.cumsum(0), u)), len(residual) - 1))
+    return Verdict(len(draft), int(sample_from(p[len(draft) - bonus_row_offset], g)))
+
+
+def test_speculative_sampling_joint_distribution_is_exact():
+    """20000 seeded generations of 3 tokens (K=2: the first round's bonus token, positions 1 and 2 included),
+    216 outcomes: exact-sampler TV bound B = 0.028, fail above 0.041 (false alarm <= 1e-3 by McDiarmid), a true
+    TV >= 0.081 fails with probability >= 0.999. First-position acceptance: exact binomial region at 1e-3."""
+    result = joint_test(CHAIN, k=2, length=3, n=JOINT_N, seed=1)
+    d = result.distribution
+    assert d.cells == 216 and d.tv_threshold == pytest.approx(0.041, abs=0.002)
+    assert d.detectable_tv == pytest.approx(0.081, abs=0.003)
+    assert result.passed and result.first_token.passed, result.to_dict()
+
+
+@pytest.mark.parametrize("broken,min_tv", [
+    (dict(always_accept=True), 0.2), (dict(bonus_row_offset=1), 0.4), (dict(renormalise=False), 0.18),
+    (dict(q_temperature_ratio=2.0), 0.18)], ids=["always_accept", "bonus_wrong_row", "residual_not_renormalised",
+                                                 "q_other_temperature"])
+def test_negative_control_joint_check_rejects(broken, min_tv):
+    """Each broken rule sits at an empirical TV >= min_tv from the target's joint (seed 1, 20000 generations),
+    more than twice the detectable TV 0.081, so it fails with probability >= 0.999 (and here by a wide margin)."""
+    result = joint_test(CHAIN, k=2, length=3, n=JOINT_N, seed=1, verify=partial(rule, **broken))
+    assert not result.passed and result.distribution.tv > min_tv > 2 * result.distribution.detectable_tv
+
+
+def test_negative_control_bonus_wrong_row_passes_a_first_token_check():
+    """A bonus drawn from p[K-1] leaves the first token's distribution and the first-position acceptance exact:
+    a first-token-only check passes it; the joint check above rejects it."""
+    result = joint_test(CHAIN, k=2, length=3, n=JOINT_N, seed=1, verify=partial(rule, bonus_row_offset=1))
+    assert result.first_token.passed and result.acceptance.passed and not result.distribution.passed
+
+
 @pytest.mark.parametrize("one_hot", [False, True])
-def test_speculative_sampling_is_exact_on_synthetic_vocab(one_hot):
-    test, acceptance, expected = synthetic_test(vocab=12, k=3, n=10000, one_hot=one_hot, seed=1)
-    assert test.p_value > 1e-3 and test.tv < 2 * test.tv_noise + 0.005
-    assert abs(acceptance - expected) < 4 * np.sqrt(expected * (1 - expected) / 10000) + 1e-3
+def test_negative_control_always_accept_fails_first_position_acceptance(one_hot):
+    """Always-accept: first-position acceptance 1 vs Σ min(p, q) = 0.90 (sampled q) or p(argmax) (one-hot),
+    far outside the binomial region of 5000 rounds (detectable shift 0.027 at power 0.999)."""
+    chain = CHAIN if not one_hot else Chain(CHAIN.p, torch.nn.functional.one_hot(CHAIN.p.argmax(-1), 6).float())
+    result = joint_test(chain, k=2, length=2, n=5000, seed=2, verify=partial(rule, always_accept=True))
+    assert not result.acceptance.passed and result.acceptance.rate == 1.0
+    assert result.acceptance.expected < 1 - 3 * result.acceptance.detectable_shift
+
+
+def test_bonus_token_follows_the_row_after_the_last_draft_token():
+    """One-hot draft of the target's most likely path, 20000 rounds; the ~2700 that accept both tokens carry a
+    bonus: fail above TV 0.047, detectable TV 0.095 (power 0.999)."""
+    exact = bonus_test(CHAIN, k=2, n=JOINT_N, seed=1)
+    assert exact.passed and exact.samples > 2000 and exact.detectable_tv < 0.1
+
+
+def test_negative_control_bonus_from_the_wrong_row():
+    """Bonus from p[K-1]: the rows after the two draft tokens differ by TV > 0.9, ten times the detectable TV."""
+    broken = bonus_test(CHAIN, k=2, n=JOINT_N, seed=1, verify=partial(rule, bonus_row_offset=1))
+    assert not broken.passed and broken.tv > 0.9
+
+
+def test_synthetic_checks_are_seeded():
+    a, b = (joint_test(CHAIN, n=500, seed=7) for _ in range(2))
+    assert a.to_dict() == b.to_dict() and joint_test(CHAIN, n=500, seed=8).to_dict() != a.to_dict()
+    assert Chain.random(seed=3).p.equal(Chain.random(seed=3).p) and not Chain.random(seed=4).p.equal(Chain.random(seed=3).p)
+
+
+def test_distribution_test_size_and_power_numbers():
+    """The threshold is B + sqrt(ln(1/alpha)/(2n)); an exact sampler stays below it, one at the detectable TV
+    exceeds it in every one of 200 seeded repetitions."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(20, 0.5))
+    test = compare_to_reference(rng.choice(20, 4000, p=p), p)
+    assert test.tv_threshold == pytest.approx(test.tv_bound + np.sqrt(np.log(1e3) / 8000))
+    shifted = p.copy()
+    top, bottom = np.argsort(p)[-1], np.argsort(p)[:10]
+    move = min(test.detectable_tv, p[top] - 1e-3)
+    shifted[top] -= move
+    shifted[bottom] += move / 10
+    assert 0.5 * np.abs(shifted - p).sum() == pytest.approx(move)
+    exact = [compare_to_reference(rng.choice(20, 4000, p=p), p).passed for _ in range(200)]
+    broken = [compare_to_reference(rng.choice(20, 4000, p=shifted), p).passed for _ in range(200)]
+    assert all(exact) and not any(broken)
+
+
+def test_acceptance_region_is_binomial():
+    test = acceptance_test(900, 1000, 0.9)
+    lo, hi = test.region
+    assert test.passed and lo < 900 < hi
+    assert scipy_stats.binom.cdf(lo - 1, 1000, 0.9) <= 5e-4 and scipy_stats.binom.sf(hi, 1000, 0.9) <= 5e-4
+    assert not acceptance_test(hi + 1, 1000, 0.9).passed and not acceptance_test(lo - 1, 1000, 0.9).passed
+    assert acceptance_test(1000, 1000, 1.0).passed
+
+
+# --- model level: a peaked tiny target and a draft that truly differs ---------------------------------------------
+
+def head_scaled(lm, scale, noise=0.0, seed=0):
+    """A copy with its output head scaled (peaked logits) and optionally perturbed (a truly different draft)."""
+    twin = replace(lm, model=copy.deepcopy(lm.model))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = twin.model.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=g) * noise * w.std())
+        w.mul_(scale)
+    return twin
+
+
+@pytest.fixture(scope="module")
+def peaked_spec(target):
+    """Target head x20 (largest p ~0.5 after PROMPT); draft = the same head with 1-std noise: TV(p, q) 0.47."""
+    peaked = head_scaled(target, 20.0)
+    spec = SpeculativeDecoder(peaked, DraftModelProposer(head_scaled(target, 20.0, 1.0, seed=1), "noisy head"), 2,
+                              SamplingConfig(temperature=1.0, seed=3), max_len=64)
+    p = logits_to_probs(Decoder(peaked, 64).forward(PROMPT)[-1], spec.sampling)
+    q = logits_to_probs(Decoder(spec.proposer.draft, 64).forward(PROMPT)[-1], spec.sampling)
+    return spec, 0.5 * float((p - q).abs().sum())
+
+
+MODEL_N = 2000
+
+
+def test_first_step_distribution_on_peaked_tiny_model(peaked_spec):
+    """2000 rounds: fail above TV 0.096, detectable TV 0.19 (power 0.999), well below TV(p, q) 0.47; the
+    first-position acceptance must match Σ min(p, q) within its binomial region (detectable shift 0.071)."""
+    spec, tv_pq = peaked_spec
+    result = first_step_test(spec, PROMPT, MODEL_N)
+    assert tv_pq > 2 * result.distribution.detectable_tv, (tv_pq, result.to_dict())
+    assert result.passed, result.to_dict()
+    assert 0.3 < result.acceptance.expected < 0.8 and result.acceptance.detectable_shift < 0.08
+
+
+def test_negative_control_model_always_accept(peaked_spec, monkeypatch):
+    """The same check with the target's verification replaced by always-accept: the first token then follows
+    q, TV ~0.47 > 2x the detectable TV, and the acceptance rate 1 is far outside its region."""
+    spec, _ = peaked_spec
+    monkeypatch.setattr("specdec.speculative.verify",
+                        lambda logits, proposal, sampling, g: Verdict(len(proposal.tokens), int(
+                            sample_from(logits_to_probs(logits[-1], sampling), g))))
+    result = first_step_test(spec, PROMPT, MODEL_N)
+    assert not result.distribution.passed and result.distribution.tv > 2 * result.distribution.detectable_tv
+    assert not result.acceptance.passed and result.acceptance.rate == 1.0
 
 
 def test_distribution_test_catches_a_biased_sampler():
     rng = np.random.default_rng(0)
     p, q = rng.dirichlet(np.full(12, 0.5)), rng.dirichlet(np.full(12, 0.5))
     biased = compare_to_reference(rng.choice(12, 5000, p=q), p)  # "always accept the draft"
-    assert biased.p_value < 1e-6 and biased.tv > 5 * biased.tv_noise
-
-
-def test_first_token_distribution_on_tiny_model(target):
-    spec = SpeculativeDecoder(target, DraftModelProposer(perturbed(target, 0.3), "perturbed"), 2,
-                              SamplingConfig(temperature=1.0, seed=3), max_len=64)
-    test = first_step_test(spec, PROMPT, 1200)
-    assert test.p_value > 1e-3 and test.tv < 2 * test.tv_noise
+    assert not biased.passed and biased.p_value < 1e-6 and biased.tv > 5 * biased.tv_threshold
 
 
 def test_identical_draft_is_accepted_when_sampling(target):
@@ -286,7 +431,57 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
     code = run_cli(["check-lossless", "--target", str(tiny_llama_dir), "--draft", "layerskip:1", "--k", "2",
                     "--prompts", str(prompts), "--limit", "2", "-n", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
                     "--threads", "1", "--json", str(tmp_path / "lossless.json")])
-    assert code == 0 and json.loads((tmp_path / "lossless.json").read_text())["results"]["passed"]
+    assert code == 0
+    results = json.loads((tmp_path / "lossless.json").read_text())["results"]
+    first = results["first_step"][0]
+    assert results["passed"] and first["passed"] and first["acceptance"]["rounds"] == 300
+    assert first["distribution"]["tv"] <= first["distribution"]["tv_threshold"] < first["distribution"]["detectable_tv"]
+    assert results["synthetic"]["joint"]["passed"] and results["synthetic"]["bonus"]["passed"]
+
+
+def save_head_scaled(src, dst, scale, noise=0.0, seed=0):
+    """``src`` (an HF dir) saved to ``dst`` with its output head perturbed and scaled, tokenizer copied."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w.add_(torch.randn(w.shape, generator=g) * noise * w.std())
+        w.mul_(scale)
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in src.iterdir():
+        if "token" in f.name or f.name == "generation_config.json":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """check-lossless through the CLI on the peaked tiny target with the noisy-head draft: passes with the real
+    rule, exits 1 when sampled verification always accepts (acceptance 1 vs Σ min(p, q) ~0.5 over 300 rounds)."""
+    import json
+
+    from specdec import speculative
+
+    target_dir = save_head_scaled(tiny_llama_dir, tmp_path / "peaked", 20.0)
+    draft_dir = save_head_scaled(tiny_llama_dir, tmp_path / "noisy", 20.0, 1.0, seed=1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
+    args = ["check-lossless", "--target", str(target_dir), "--draft", f"draft:{draft_dir}", "--k", "2", "--prompts",
+            str(prompts), "--limit", "1", "-n", "8", "--samples", "300", "--prefixes", "1", "--synthetic-samples",
+            "2000", "--threads", "1", "--json", str(tmp_path / "ok.json")]
+    assert run_cli(args) == 0
+    exact = speculative.verify
+    monkeypatch.setattr(speculative, "verify", lambda logits, proposal, sampling, g: exact(logits, proposal, sampling, g)
+                        if sampling.greedy else Verdict(len(proposal.tokens), int(sample_from(logits_to_probs(logits[-1], sampling), g))))
+    assert run_cli([*args[:-1], str(tmp_path / "broken.json")]) == 1
+    results = json.loads((tmp_path / "broken.json").read_text())["results"]
+    acceptance = results["first_step"][0]["acceptance"]
+    assert not results["passed"] and not results["greedy_mismatches"] and acceptance["rate"] == 1.0
+    assert acceptance["expected"] < 0.8 and not acceptance["passed"]
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
