@@ -42,8 +42,9 @@ SMOLLM2 = GgufWheel(
     note=(
         "body weights were Q4_1-dequantized from the GGUF (4-bit group-32 grid with a free per-block offset); "
         "compressed-tensors int4-g32-asym stores an integer zero point that cannot express that offset, so its "
-        "re-quantization is NOT near-lossless here (measured KL ~0.35 with RTN), and 4-bit results on this model "
-        "need not transfer to natively trained checkpoints"
+        "re-quantization is NOT near-lossless here (its measured KL is in the bench results, "
+        "bench/results/eval_schemes.json), and 4-bit results on this model need not transfer to natively trained "
+        "checkpoints"
     ),
 )
 

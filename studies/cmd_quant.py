@@ -26,7 +26,7 @@ FIDELITY_PROMPTS = ("What is the capital of France?", "Explain why the sky is bl
 FIDELITY_NEW_TOKENS = 32
 Q4_1_GRID = WeightSpec(4, False, "group", 32)
 INTEGER_ZERO_CAVEAT = ("; but compressed-tensors' integer zero points cannot express Q4_1's per-block offset "
-                       "exactly (RTN measured here: KL ~0.35 nats), so trust the fidelity line above")
+                       "exactly, so trust the fidelity line above")
 
 
 def fidelity_sequences(lm: LoadedModel) -> list[list[int]]:

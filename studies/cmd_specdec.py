@@ -215,7 +215,7 @@ def accept(
 
 def distribution_detail(t: DistributionTest) -> str:
     detect = (f"detectable TV {t.detectable_tv:.3f} at power {t.power:g}" if t.detectable_tv < 1 else
-              "detects no TV at this sample count (raise the samples or narrow the distribution, e.g. --top-k)")
+              "detects no TV at this sample count (raise --samples or set --top-k)")
     return (f"TV {t.tv:.3f} vs threshold {t.tv_threshold:.3f} (exact sampler E[TV] <= {t.tv_bound:.3f}); {detect}; "
             f"chi2 p={t.p_value:.3g} (info)")
 

@@ -125,6 +125,40 @@ def test_port_in_use_is_refused_before_starting():
     assert server.proc is None  # nothing was spawned
 
 
+def _stream_with(chunks: list[dict]):
+    """One request through VllmServer._stream against a fake /v1/completions streaming ``chunks``."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from evals.backends.vllm_server import VllmServer
+
+    body = "".join(f"data: {json.dumps({'choices': [c]})}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+    async def run():
+        async with httpx.AsyncClient(base_url="http://fake", transport=transport) as client:
+            return await VllmServer({"model": "m"})._stream(client, Request(0, [5, 6], 3), None, 0.0)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("chunks,error", [
+    ([{"text": "ab", "token_ids": [7, 8]}, {"text": "c", "token_ids": [9], "finish_reason": "length"}], None),
+    ([{"text": "ab"}, {"text": "c", "finish_reason": "length"}], "without token_ids"),
+    ([{"text": "", "finish_reason": "stop"}], "without any token_ids"),
+    ([{"text": "ab", "token_ids": [7, 8]}], "without a finish reason"),
+])
+def test_vllm_stream_counts_only_token_ids(chunks, error):
+    """A response the client cannot count tokens of is a failed request, not a success with 0 tokens."""
+    result = _stream_with(chunks)
+    if error is None:
+        assert result.ok and result.token_ids == [7, 8, 9] and len(result.chunk_times) == 2
+    else:
+        assert not result.ok and error in result.error
+
+
 def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
     import json
 

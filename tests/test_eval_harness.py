@@ -4,6 +4,7 @@ import json
 import pytest
 
 from evals.data import find_data_dir
+from evals.floor import Floor, check_floor
 from evals.harness import EvalConfig, evaluate
 from quant.errors import UserError
 
@@ -31,8 +32,13 @@ def test_quantized_eval_reports_and_caches(home, tiny_llama_dir):
         assert comp.acc_test == pytest.approx(t.value("acc")[0]) and comp.acc_ref == pytest.approx(r.value("acc")[0])
         lost = sum(r.items[d] > t.items[d] for d in t.items)
         assert comp.flips.lost == lost
+        docs = sorted(t.items)
+        floor = check_floor([t.items[d] for d in docs], [r.items[d] for d in docs], Floor(0.5), config.confidence,
+                            seed=config.seed)
+        assert comp.passed == floor.passed == (comp.margin_ci[0] >= 0) and comp.margin_ci == floor.margin_ci
     assert first.fidelity.n_tokens == 63 and first.fidelity.mean_kl > 0 and first.fidelity.ppl_test > 1
-    assert first.verdict in ("pass", "fail") and not any(r.cached for r in first.tasks.values())
+    assert first.verdict == ("pass" if all(c.passed for c in first.comparison.values()) else "fail")
+    assert not any(r.cached for r in first.tasks.values())
     again = evaluate(config, lm_factory=_boom)
     assert all(r.cached for r in again.tasks.values()) and all(r.cached for r in again.reference.values())
     assert again.to_json()["results"] == first.to_json()["results"] and again.fidelity == first.fidelity

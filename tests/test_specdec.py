@@ -145,6 +145,23 @@ def test_ngram_lookup_semantics():
     assert lookup(np.array([1, 2, 3, 1, 2]), 2, 3, 4) == []  # shorter than min
 
 
+def test_ngram_lookup_matches_vllms_own_function_on_3000_random_cases():
+    """vLLM's n-gram proposer (KMP over the reversed context) against ``lookup`` on random small-vocabulary
+    contexts (many repeats and ties), n-gram bounds and K; vLLM's max_model_len cap is left out (set huge)."""
+    vllm_ngram = pytest.importorskip("vllm.v1.spec_decode.ngram_proposer")
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(3000):
+        context = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).astype(np.int32)
+        min_n = int(rng.integers(1, 5))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 9))
+        ours = lookup(context.astype(np.int64), k, min_n, max_n)
+        theirs = vllm_ngram._find_longest_matched_ngram_and_propose_tokens(context, min_n, max_n, 10 ** 6, k)
+        assert ours == theirs.tolist(), (context.tolist(), min_n, max_n, k)
+        hits += bool(ours)
+    assert 1000 < hits < 2900  # both outcomes (a draft, no match) are well represented
+
+
 def test_acceptance_stats_definitions():
     s = AcceptanceStats(3)
     s.observe(3, 3, 0.0, 0.0)

@@ -182,6 +182,9 @@ class VllmServer:
                         continue
                     t = now()
                     choice = json.loads(line[5:])["choices"][0]
+                    if choice.get("text") and not choice.get("token_ids"):  # tokens we could not count
+                        result.error = "the server streamed text without token_ids (is return_token_ids supported?)"
+                        return result
                     if choice.get("token_ids"):
                         result.first_token = result.first_token or t
                         result.chunk_times.append(t)
@@ -191,6 +194,8 @@ class VllmServer:
             result.end = now()
             if result.finish_reason is None:
                 result.error = "stream ended without a finish reason"
+            elif not result.token_ids:
+                result.error = f"finished ({result.finish_reason}) without any token_ids"
         except Exception as exc:  # connection refused/reset when the server dies: a failed request, kept
             result.error = f"{type(exc).__name__}: {exc}"[:200]
             result.end = None
