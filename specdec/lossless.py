@@ -121,7 +121,7 @@ def acceptance_test(accepted: int, rounds: int, expected: float, alpha: float = 
                     power: float = POWER) -> AcceptanceTest:
     expected = min(max(float(expected), 0.0), 1.0)
     binom = scipy_stats.binom(rounds, expected)
-    region = (int(binom.ppf(alpha / 2)), int(binom.isf(alpha / 2)) + (expected == 1.0))
+    region = (int(binom.ppf(alpha / 2)), int(binom.isf(alpha / 2)))
     z = scipy_stats.norm.isf(alpha / 2) + scipy_stats.norm.isf(1 - power)
     shift = float(z) * math.sqrt(max(expected * (1 - expected), 1e-12) / rounds)
     return AcceptanceTest(rounds, int(accepted), expected, region, shift, alpha, power)
