@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL server for this session (tests/pg_server.py), stopped and removed afterwards. Where none
+    can be started the test skips with the reason, except under CI=true, where it fails."""
+    from pg_server import PgServer, PgUnavailable
+
+    server = None
+    try:
+        server = PgServer()
+        server.start()
+    except PgUnavailable as exc:
+        if server is not None:
+            server.stop()
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but no PostgreSQL server: {exc}")
+        pytest.skip(f"no PostgreSQL server: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """A fresh, empty database on the session's PostgreSQL server."""
+    return pg_server.new_database()
