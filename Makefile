@@ -9,7 +9,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup model demo test test-fast clean
+.PHONY: setup model demo test test-fast pg clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,13 @@ test: setup model
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"
+
+# PostgreSQL server binaries for the multi-worker tests (tests/pg_server.py starts a throwaway server); a no-op
+# when installed. Without them those tests skip (fail under CI=true).
+pg:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
+	  else echo "make pg: needs root (sudo make pg); the postgres tests skip without a server"; fi; }
 
 clean:
 	rm -rf .venv

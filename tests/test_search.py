@@ -45,6 +45,7 @@ class ToyEvaluator:
 
     def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None, **_):
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
+        self.quality_delay_s = float(os.environ.get("TOY_QUALITY_DELAY_S", 0))
         self.fail_on = os.environ.get("TOY_FAIL_ON", fail_on)
         self.log = os.environ.get("TOY_LOG", log)
         self.quality_calls: list[str] = []
@@ -58,6 +59,7 @@ class ToyEvaluator:
     def quality(self, config: TrialConfig) -> QualityResult:
         assert not config.speculative, "quality must be asked for the non-speculative transformation"
         self.quality_calls.append(config.quality_key)
+        time.sleep(self.quality_delay_s)
         log_measurement(self.log, "quality", config.quality_key)
         value = QUALITY[config.weights] - (0.02 if config.kv != "none" else 0.0)
         return QualityResult(value=value, passes=value >= 0.98, accuracy=0.5 * value, reference_accuracy=0.5,
@@ -86,6 +88,16 @@ def log_measurement(log: str | None, what: str, label: str) -> None:
 def measurements(log: Path, what: str) -> list[str]:
     lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return sorted(m["label"] for m in lines if m["what"] == what)
+
+
+if os.environ.get("QUALITY_LOG"):  # a worker with the real evaluator logs each quality measurement it makes
+    from studies.objective import RealEvaluator
+
+    def _logged_quality(self, config, _measure=RealEvaluator.quality):
+        log_measurement(os.environ["QUALITY_LOG"], "quality", config.quality_key)
+        return _measure(self, config)
+
+    RealEvaluator.quality = _logged_quality
 
 
 def toy_space(model_dir, **overrides) -> SearchSpace:
@@ -240,15 +252,24 @@ main(sys.argv[1:])
 """
 
 
-def cli(tmp_path, tiny_llama_dir, *args, env=None, popen=False):
-    cmd = [sys.executable, "-c", WORKER, "search", "--evaluator", "toy", "--model", str(tiny_llama_dir),
-           "--weights", "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
-           "--k", "1-6", "--floor", "0.98", *args]
+def quantspec(tmp_path, *args, env=None, popen=False, timeout_s=240):
+    """`quantspec ARGS` in a fresh process (with the toy evaluator registered), in ``tmp_path``."""
+    cmd = [sys.executable, "-c", WORKER, *args]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                                 cwd=tmp_path)
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=240)
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=timeout_s)
+
+
+def toy_search(tiny_llama_dir) -> tuple[str, ...]:
+    return ("search", "--evaluator", "toy", "--model", str(tiny_llama_dir), "--weights",
+            "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
+            "--k", "1-6", "--floor", "0.98")
+
+
+def cli(tmp_path, tiny_llama_dir, *args, env=None, popen=False):
+    return quantspec(tmp_path, *toy_search(tiny_llama_dir), *args, env=env, popen=popen)
 
 
 def load(url, name="s"):
@@ -338,16 +359,17 @@ def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     assert "tok/s" in resumed.stdout  # the final table
 
 
-def start_workers(tmp_path, tiny_llama_dir, url, n_workers, *extra, env=None, victim_env=None) -> list:
-    """``n_workers`` `quantspec search` processes on study "s" of ``url`` (the first one with ``victim_env``)."""
-    args = ("--storage", url, "--study-name", "s", "--create", "--exact-fraction", "0", *extra)
-    return [cli(tmp_path, tiny_llama_dir, *args, env={**env, **(victim_env if i == 0 and victim_env else {})},
-                popen=True) for i in range(n_workers)]
+def start_workers(tmp_path, search, url, n_workers, *extra, env=None, victim_env=None) -> list:
+    """``n_workers`` processes running ``search`` (`search ...` args) on study "s" of ``url``, the first one with
+    ``victim_env``."""
+    args = (*search, "--storage", url, "--study-name", "s", "--create", "--exact-fraction", "0", *extra)
+    return [quantspec(tmp_path, *args, env={**env, **(victim_env if i == 0 and victim_env else {})}, popen=True)
+            for i in range(n_workers)]
 
 
-def wait_ok(workers) -> None:
+def wait_ok(workers, timeout_s: float = 240) -> None:
     for w in workers:
-        out, err = w.communicate(timeout=240)
+        out, err = w.communicate(timeout=timeout_s)
         assert w.returncode == 0, err
 
 
@@ -355,8 +377,8 @@ def wait_ok(workers) -> None:
 def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
     url = storage_for(kind, tmp_path, request)
     log = tmp_path / "measured.jsonl"
-    workers = start_workers(tmp_path, tiny_llama_dir, url, 3, "--n-trials", "12",
-                            env={"TOY_DELAY_S": "0.3", "TOY_LOG": str(log)})
+    workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12",
+                            env={"TOY_DELAY_S": "0.3", "TOY_QUALITY_DELAY_S": "0.5", "TOY_LOG": str(log)})
     wait_ok(workers)
     trials = list(whole_study(url, 12).values())  # exactly 12 finished, no gaps, no duplicates, nothing RUNNING
     assert len({t.user_attrs["worker"]["pid"] for t in trials}) == 3  # every worker ran trials
@@ -374,7 +396,7 @@ def test_killed_worker_found_by_heartbeat_then_resume(tmp_path, tiny_llama_dir, 
     heartbeat fails its trial, which is re-queued once; a fourth process resumes the study to more trials."""
     url = storage_for(kind, tmp_path, request)
     env = {"TOY_DELAY_S": "0.5"}
-    workers = start_workers(tmp_path, tiny_llama_dir, url, 3, "--n-trials", "12", "--heartbeat", "1", "--grace", "3",
+    workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12", "--heartbeat", "1", "--grace", "3",
                             env=env, victim_env={"TOY_HOST": "elsewhere"})
 
     def victim_mid_trial(trials):
