@@ -22,7 +22,7 @@ from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrial
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 JOURNAL_PREFIX = "journal://"
