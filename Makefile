@@ -9,7 +9,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup model demo test test-fast pg clean
+.PHONY: setup model demo test test-avx2 test-fast pg clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# torchvision/torchaudio/torchcodec (pulled by vllm deps) break `import vllm` against this torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, quant, specdec, evals, studies" 
+	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, runtime, quant, specdec, evals, studies"
 	touch $(STAMP)
 
 model: setup
@@ -32,7 +32,11 @@ demo: model
 	.venv/bin/quantspec demo
 
 test: setup model
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -rs --durations=20 tests
+
+# The suite again with the probe reporting an AVX2-only CPU: the fallback kernels run and the refusals fire.
+test-avx2: setup model
+	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.app import DataDirOption, app
 from studies.objective import get_evaluator
 from studies.pareto import StudySummary, footer_lines, load_summary, rich_table, summarize, write_csv, write_json, write_png

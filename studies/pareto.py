@@ -240,7 +240,7 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
 
 
 def load_summary(storage_url: str, study_name: str | None) -> StudySummary:
-    from quant.errors import UserError
+    from runtime.errors import UserError
     from studies.storage import open_storage, shown_url
 
     storage = open_storage(storage_url, read_only=True)

@@ -23,7 +23,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
 from studies.storage import (GRACE_S, HEARTBEAT_S, WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,

@@ -25,7 +25,7 @@ from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 JOURNAL_PREFIX = "journal://"

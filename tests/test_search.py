@@ -17,7 +17,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, register_evaluator
 from studies.pareto import footer_lines, rich_table, summarize, write_csv, write_json, write_png
 from studies.search import SearchSettings, finished_trials, run_search

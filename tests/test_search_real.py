@@ -2,12 +2,14 @@
 quality via evals.evaluate, the greedy-equality check of a speculative trial, and the table caveat."""
 import pytest
 
+from conftest import bf16_speculation_refusal
+from quant.loading import load_model
 from studies.objective import get_evaluator
 from studies.pareto import footer_lines, summarize
 from studies.search import SearchSettings, open_study, run_search
 from studies.space import SearchSpace, TrialConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.data]
 
 
 def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
@@ -22,7 +24,11 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     study = run_search(settings, evaluator).study
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     ref, spec_trial = trials[0], trials[1]
-    assert ref.state.name == "COMPLETE" and spec_trial.state.name == "COMPLETE"
+    refusal = bf16_speculation_refusal(load_model("default", "bf16", attn_implementation="eager"))
+    assert ref.state.name == "COMPLETE" and spec_trial.state.name == ("PRUNED" if refusal else "COMPLETE")
+    if refusal:  # this machine's bf16 kernels are not batch-invariant: the point is pruned with that reason
+        assert "not be token-exact" in spec_trial.user_attrs["pruned_reason"]
+        return
     quality = ref.user_attrs["quality"]
     assert quality["passes"] and quality["value"] >= 0.9 and quality["flips"] == 0 and quality["delta"] == 0
     assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
