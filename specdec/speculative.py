@@ -37,10 +37,10 @@ def check_bf16_exact(target: LoadedModel) -> None:
                         "decoding: load the target with attn_implementation='eager'")
     variant = variant_kernels(target.model)
     if variant:
-        kernels = sorted(set(variant.values()))
+        kernels = sorted({detail.split(" (")[0] for detail in variant.values()})
         raise UserError(f"bf16 speculation would not be token-exact on this machine: {len(variant)} linear layers "
-                        f"run kernels whose rows depend on the batch ({'; '.join(kernels)}; probed); "
-                        "use --dtype fp32, or a machine with oneDNN bf16 prepacking (AVX-512)")
+                        f"run kernels whose rows depend on the batch (probed: {', '.join(kernels)}); speculate in "
+                        "fp32 (--dtype fp32), or on a CPU with oneDNN bf16 prepacking (AVX-512)")
 
 
 class SpeculativeDecoder:
