@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from quant.actquant import calibrate_input_scales, quantize_activation
 from runtime.errors import UserError
-from runtime.hardware import SHAPE_CLASSES, faster, probe, shape_class
+from runtime.hardware import SHAPE_CLASSES, probe, ranked, shape_class
 from quant.qlinear import Kernel, QuantizedLinear, register_kernel
 from quant.scheme import ActSpec, QuantScheme, parse_scheme
 
@@ -59,8 +59,9 @@ def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
     def make(fn):
         return lambda rows: (lambda x: lambda: fn(x))(torch.randint(-127, 128, (rows, k), dtype=torch.int8))
 
-    return faster(f"int8xint8/{n}x{k}", {"int_mm": make(lambda x: int8_matmul(x, w)),
+    rank = ranked(f"int8xint8/{n}x{k}", {"int_mm": make(lambda x: int8_matmul(x, w)),
                                          "fp32-exact": make(lambda x: int8_matmul_fp32(x, chunks))})
+    return {cls: order[0] for cls, order in rank.items()}
 
 
 @register_kernel

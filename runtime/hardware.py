@@ -115,7 +115,7 @@ def probe() -> Hardware:
     return Hardware(cpu_model(), isa, forced, prepack, bf16, int8, cuda)
 
 
-# ---- speed: which of two interchangeable implementations is faster here, per shape class ----
+# ---- speed: which of several interchangeable implementations is fastest here, per shape class ----
 
 SHAPE_CLASSES = {"decode": 1, "batch": 128}  # rows per call: one decode step; verification/prefill/eval
 
@@ -176,19 +176,20 @@ def _store_speed(name: str, value: dict) -> None:
     _speed_cache()[name] = value
 
 
-def faster(name: str, candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[str, str]:
-    """The fastest candidate per shape class (``{"decode": "a", "batch": "b"}``), measured once per machine.
+def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[str, list[str]]:
+    """Candidates from fastest to slowest per shape class (``{"decode": ["a", "b"], "batch": [...]}``), measured
+    once per machine (cached in ``$QUANTSPEC_HOME/hardware.json``).
 
     ``candidates`` maps a name to a factory: rows -> a zero-argument call running one product of that many rows.
     """
     cached = _speed_cache().get(name)
-    if cached and set(cached.get("pick", {}).values()) <= set(candidates):
-        return cached["pick"]
+    if cached and set(cached.get("rank", {}).get("decode", [])) == set(candidates):
+        return cached["rank"]
     timings = {cls: {c: round(_time_us(make(rows)), 1) for c, make in candidates.items()}
                for cls, rows in SHAPE_CLASSES.items()}
-    pick = {cls: min(t, key=t.get) for cls, t in timings.items()}
-    _store_speed(name, {"pick": pick, "us": timings})
-    return pick
+    rank = {cls: sorted(t, key=t.get) for cls, t in timings.items()}
+    _store_speed(name, {"rank": rank, "us": timings})
+    return rank
 
 
 def measured_speeds() -> dict:
@@ -221,18 +222,23 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
                    dtype: torch.dtype = torch.bfloat16) -> str | None:
     """How ``linear`` gives every row bitwise the same output alone as among others: ``"alone"`` (as is),
     ``"two-rows"`` (only when a lone row runs duplicated: oneDNN's one-row kernel sums in another order), or
-    None (neither: rows depend on the batch). Probed once per ``key`` and thread count with heavy-tailed rows,
-    the activations that expose a different summation order, at every row count speculation verifies (1..9)."""
+    None (neither: rows depend on the batch). Probed once per ``key`` and thread count with heavy-tailed rows
+    (the activations that expose a different summation order), as fresh tensors at several offsets (some GEMMs
+    take other paths for other alignments), at every row count a verification uses (1..9), twice over."""
     key = (*key, in_features, dtype, torch.get_num_threads())
     if key not in _INVARIANCE:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(33, in_features, generator=g) * torch.randn(33, in_features, generator=g).exp()).to(dtype)
         together = linear(x)
-        prefixes = all(torch.equal(linear(x[:m]), together[:m]) for m in range(2, 10))
-        alone = all(torch.equal(linear(x[i:i + 1]), together[i:i + 1]) for i in range(16))
-        doubled = all(torch.equal(linear(torch.cat((x[i:i + 1], x[i:i + 1])))[:1], together[i:i + 1])
-                      for i in range(16))
-        _INVARIANCE[key] = None if not prefixes else "alone" if alone else "two-rows" if doubled else None
+        starts = range(0, 24, 3)
+
+        def same(m: int, run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+            return all(torch.equal(run(x[j:j + m].clone()), together[j:j + m]) for j in starts for _ in range(2))
+
+        many = all(same(m, linear) for m in range(2, 10))
+        alone = same(1, linear)
+        doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1])
+        _INVARIANCE[key] = None if not many else "alone" if alone else "two-rows" if doubled else None
     return _INVARIANCE[key]
 
 

@@ -4,14 +4,15 @@ At batch 1 decoding is one matrix-vector product per layer, and the plain ``F.li
 ~11-13 GB/s; the same product on a weight reordered once into the library's blocked layout is ~2x faster
 (what inductor's weight freezing does). Kernels, picked per dtype and machine:
 
-* fp32: ``mkl-prepacked`` (MKL's packed GEMM).
-* bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX); elsewhere
-  ``aten-bf16`` (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight), labelled as
-  a fallback: the faster at decode (measured once per machine and shape) unless only the other one is
-  batch-invariant.
+* fp32: ``mkl-prepacked`` (MKL's packed GEMM) or ``aten-fp32`` (plain ``F.linear``).
+* bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``
+  (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
+  missing the others are labelled as a fallback.
 
-The pack is built on the first no-grad forward and rebuilt whenever the weight changes (in-place edits bump
-``weight._version``), so it can never be stale; the plain weight stays the source of truth.
+Where the prepacked kernel is missing, the fastest fallback at decode is taken per weight shape, measured once
+per machine (``runtime.hardware.ranked``); in bf16 the fastest whose rows are batch-invariant (below). The pack is built on the first no-grad forward and
+rebuilt whenever the weight changes (in-place edits bump ``weight._version``), so it can never be stale; the
+plain weight stays the source of truth.
 
 bf16 rows must be batch-invariant for exact speculation: a row's output may not depend on how many rows run
 with it. Every bf16 kernel is probed for that (``runtime.hardware.row_invariance``): oneDNN's one-row kernel
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.hardware import faster, probe, row_invariance
+from runtime.hardware import probe, ranked, row_invariance
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,6 +47,11 @@ def _onednn_bf16(weight: torch.Tensor) -> Fn:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def _mkl_fp32(weight: torch.Tensor) -> Fn:
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
+    return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
+
+
 def _aten(weight: torch.Tensor) -> Fn:
     return lambda x: F.linear(x, weight)
 
@@ -55,19 +61,28 @@ def _fp32_upcast(weight: torch.Tensor) -> Fn:
     return lambda x: F.linear(x.float(), w32).to(weight.dtype)
 
 
-BF16_FALLBACKS = {"aten-bf16": _aten, "fp32-upcast": _fp32_upcast}
+DENSE: dict[torch.dtype, dict[str, Callable[[torch.Tensor], Fn]]] = {
+    torch.bfloat16: {"onednn-prepacked": _onednn_bf16, "aten-bf16": _aten, "fp32-upcast": _fp32_upcast},
+    torch.float32: {"mkl-prepacked": _mkl_fp32, "aten-fp32": _aten},
+}
 
 
-def _fallback_name(shape: torch.Size) -> str:
-    """The faster bf16 fallback at this shape, measured once per machine (decode rows: what generation runs)."""
+def candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Fn]]:
+    """The dense kernels that run here for ``dtype`` (the probe decides about the prepacked ones)."""
+    missing = {"onednn-prepacked": not probe().bf16_prepack_ok, "mkl-prepacked": not torch.backends.mkl.is_available()}
+    return {name: make for name, make in DENSE.get(dtype, {}).items() if not missing.get(name)}
+
+
+def _by_speed(dtype: torch.dtype, shape: torch.Size) -> list[str]:
+    """This dtype's kernels, fastest first at decode (one row: what generation runs), measured once per machine."""
     n, k = shape
 
-    def bench(make: Callable[[torch.Tensor], Fn]):
-        w = torch.randn(n, k).to(torch.bfloat16)
-        fn = make(w)
-        return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(torch.bfloat16))
+    def timed(make: Callable[[torch.Tensor], Fn]):
+        fn = make(torch.randn(n, k).to(dtype))
+        return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(dtype))
 
-    return faster(f"bf16-dense/{n}x{k}", {name: bench(make) for name, make in BF16_FALLBACKS.items()})["decode"]
+    names = candidates(dtype)
+    return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})["decode"]
 
 
 def _invariant(fn: Fn, name: str, shape: torch.Size) -> tuple[Fn, bool]:
@@ -79,31 +94,28 @@ def _invariant(fn: Fn, name: str, shape: torch.Size) -> tuple[Fn, bool]:
     return fn, how == "alone"
 
 
-def pack_bf16(weight: torch.Tensor) -> DenseKernel:
-    """oneDNN's prepacked kernel where it works; else the fastest fallback whose rows are batch-invariant
-    (exact speculation), or the fastest one when none is."""
-    if probe().bf16_prepack_ok:
-        fn, invariant = _invariant(_onednn_bf16(weight), "onednn-prepacked", weight.shape)
-        return DenseKernel(fn, "onednn-prepacked", invariant)
-    fastest = _fallback_name(weight.shape)
+def pack(weight: torch.Tensor) -> DenseKernel | None:
+    """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere the
+    fastest fallback here, in bf16 the fastest whose rows are batch-invariant (exact speculation), or the
+    fastest when none is. Fallbacks are labelled as such."""
+    makers = candidates(weight.dtype)
+    if not makers:
+        return None
+    prepacked = [name for name in makers if name.endswith("-prepacked")]
+    order = prepacked + [n for n in _by_speed(weight.dtype, weight.shape) if n not in prepacked] if not prepacked \
+        else prepacked + [n for n in makers if n not in prepacked]
+    missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
     kernels = []
-    for name in (fastest, *(n for n in BF16_FALLBACKS if n != fastest)):
-        fn, invariant = _invariant(BF16_FALLBACKS[name](weight), name, weight.shape)
-        kernels.append(DenseKernel(fn, f"{name} (fallback: {probe().bf16_prepack})", invariant))
+    for name in order:
+        fn = makers[name](weight)
+        label = f"{name} (fallback: {missing})" if missing else name
+        if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
+            return DenseKernel(fn, label, False)
+        fn, invariant = _invariant(fn, name, weight.shape)
+        kernels.append(DenseKernel(fn, label, invariant))
         if invariant:
             return kernels[-1]
     return kernels[0]
-
-
-def pack_fp32(weight: torch.Tensor) -> DenseKernel:
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
-    return DenseKernel(lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0]),
-                       "mkl-prepacked", False)  # MKL rows differ from M >= 4: fp32 equality is tested, not built
-
-
-PACKERS: dict[torch.dtype, Callable[[torch.Tensor], DenseKernel]] = {torch.bfloat16: pack_bf16}
-if torch.backends.mkl.is_available():
-    PACKERS[torch.float32] = pack_fp32
 
 
 class DensePack:
@@ -114,12 +126,11 @@ class DensePack:
         self._key = None
 
     def get(self, weight: torch.Tensor) -> DenseKernel | None:
-        packer = PACKERS.get(weight.dtype)
-        if packer is None or weight.device.type != "cpu":
+        if weight.device.type != "cpu":
             return None
-        key = (weight.data_ptr(), weight._version, weight.shape)
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype)
         if self._key != key:
-            self.kernel, self._key = packer(weight.detach()), key
+            self.kernel, self._key = pack(weight.detach()), key
         return self.kernel
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
