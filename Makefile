@@ -9,7 +9,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup model demo test test-fast clean
+.PHONY: setup model demo test test-avx2 test-fast pg clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# torchvision/torchaudio/torchcodec (pulled by vllm deps) break `import vllm` against this torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, quant, specdec, evals, studies" 
+	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, runtime, quant, specdec, evals, studies"
 	touch $(STAMP)
 
 model: setup
@@ -32,10 +32,21 @@ demo: model
 	.venv/bin/quantspec demo
 
 test: setup model
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -rs --durations=20 tests
+
+# The suite again with the probe reporting an AVX2-only CPU: the fallback kernels run and the refusals fire.
+test-avx2: setup model
+	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"
+
+# PostgreSQL server binaries for the multi-worker tests (tests/pg_server.py starts a throwaway server); a no-op
+# when installed. Without them those tests skip (fail under CI=true).
+pg:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
+	  else echo "make pg: needs root (sudo make pg); the postgres tests skip without a server"; fi; }
 
 clean:
 	rm -rf .venv

@@ -1,12 +1,13 @@
 """Native greedy decode vs HF generate on the default model: tok/s, ratio, % of memory roofline.
 
 Usage: python bench/decode.py [--dtype fp32|bf16] [--new-tokens 128] [--repeats 3]
-Writes bench/results/decode-<dtype>.json (a full run record).
+Writes bench/results/decode-<dtype>.<machine tag>.json (a full run record; one file per CPU kind).
 """
 import argparse
 from pathlib import Path
 
 from evals.decode_speed import compare_decode
+from runtime.hardware import probe
 from studies.cmd_generate import print_decode_comparison
 
 if __name__ == "__main__":
@@ -18,5 +19,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     record = compare_decode(args.model, args.dtype, args.new_tokens, args.repeats)
     print_decode_comparison(record)
-    out = record.write(Path(__file__).parent / "results" / f"decode-{args.dtype}.json")
+    out = record.write(Path(__file__).parent / "results" / f"decode-{args.dtype}.{probe().tag}.json")
     print(f"wrote {out}")

@@ -2,7 +2,7 @@
 (int4pack), side by side in one run, each as % of its own memory roofline and as a ratio to fp32.
 
 Usage: flock /tmp/qs-bench.lock python bench/quant_decode.py [--new-tokens 128] [--repeats 3] [--threads N]
-Writes bench/results/quant_decode.json (a full run record). Targets: int8 >= 2x fp32, int4 >= 2.5x fp32.
+Writes bench/results/quant_decode.<machine tag>.json (a full run record, one per CPU kind). Targets: int8 >= 2x fp32, int4 >= 2.5x fp32.
 """
 import argparse
 import os
@@ -20,6 +20,7 @@ from evals.roofline import decode_bytes_per_token, measure_bandwidth
 from quant.loading import load_model, set_threads
 from quant.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.quantize import quantize_model
+from runtime.hardware import kernels_used, probe
 from specdec.generate import encode_prompt
 
 # (label, dtype, scheme or None, target ratio to fp32)
@@ -39,7 +40,8 @@ def run(model: str, new_tokens: int, repeats: int) -> RunRecord:
             kernels = quantize_model(lm, scheme, progress=False).kernels
         speed = native_decode(lm, prompt_ids, new_tokens, repeats, bandwidth, label)
         row = {k: v for k, v in asdict(speed).items() if k != "tokens"}
-        row.update(dtype=dtype, scheme=scheme or "none", kernels=kernels, target_vs_fp32=target,
+        row.update(dtype=dtype, scheme=scheme or "none", kernels=kernels, kernels_run=kernels_used(lm.model),
+                   target_vs_fp32=target,
                    bytes_per_token=decode_bytes_per_token(lm.model), first_tokens=speed.tokens[:16])
         rows.append(row)
     fp32 = rows[0]["decode_tok_s"]
@@ -92,5 +94,5 @@ if __name__ == "__main__":
     set_threads(args.threads)
     record = run(args.model, args.new_tokens, args.repeats)
     print_table(record)
-    out = record.write(Path(__file__).parent / "results" / "quant_decode.json")
+    out = record.write(Path(__file__).parent / "results" / f"quant_decode.{probe().tag}.json")
     print(f"wrote {out}")

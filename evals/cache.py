@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evals.record import write_json_atomic
-from quant.model_store import quantspec_home
+from runtime.hardware import quantspec_home
 
 CACHE_VERSION = 1
 

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_FILES = {"spec_bench": "prompts/spec_bench_question.jsonl", "mt_bench": "prompts/mt_bench_question.jsonl"}

@@ -91,7 +91,7 @@ def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int 
         name="decode-speed",
         model=ModelCondition(str(model), weights_hash(lm.path), lm.precision,
                              note=SMOLLM2.note if is_default_model(lm.path) else ""),
-        hardware=hardware_info(),
+        hardware=hardware_info(lm.model),
         lengths=LengthDistribution(1, {"fixed": len(prompt_ids)}, {"fixed": new_tokens}, f"one chat prompt: {prompt!r}", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native vs hf-generate", {"dtype": lm.precision, "threads": torch.get_num_threads()},

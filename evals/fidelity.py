@@ -16,7 +16,7 @@ from rich.progress import track
 
 from evals.data import data_file
 from evals.perplexity import WIKITEXT2_TEST, windows
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @dataclass

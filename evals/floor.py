@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from evals.fidelity import FidelityStats, wikitext_fidelity
 from evals.floor import Floor, FloorResult, check_floor
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"

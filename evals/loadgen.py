@@ -11,7 +11,7 @@ import numpy as np
 
 from evals.backends.base import Progress, Request, RequestResult, now
 from evals.record import ArrivalProcess
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rich.progress import track
 
 from evals.data import data_file
-from quant.errors import UserError
+from runtime.errors import UserError
 
 WIKITEXT2_TEST = "wikitext2/wiki.test.raw"
 

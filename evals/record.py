@@ -86,25 +86,25 @@ class RunRecord:
         )
 
 
-def hardware_info() -> dict[str, Any]:
-    """CPU model, cores, threads in use, memory, GPU (if any) and library versions."""
+def hardware_info(model=None) -> dict[str, Any]:
+    """CPU model, what the hardware probe found (ISA, bf16/int8 matmul, fallbacks), cores, threads in use,
+    memory, GPU (if any), library versions, and with ``model`` the kernel each kind of linear layer ran."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from runtime.hardware import kernels_used, measured_speeds, probe
+
+    hw = probe()
     mem_gib = None
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         pass
     return {
-        "cpu": cpu,
+        "cpu": hw.cpu,
+        "isa": hw.isa,
+        "probe": hw.to_dict(),
+        "kernel_speeds": measured_speeds(),
+        **({"kernels": kernels_used(model)} if model is not None else {}),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,

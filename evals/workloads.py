@@ -14,7 +14,7 @@ from typing import Callable
 
 from evals.backends.base import Request
 from evals.data import find_data_dir, load_prompts
-from quant.errors import UserError
+from runtime.errors import UserError
 from specdec.generate import encode_prompt
 
 FALLBACK_TEXT = (  # used for synthetic shapes when no data dir is configured

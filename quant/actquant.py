@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.scheme import ActSpec
 
 INT8_MAX = 127

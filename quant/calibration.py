@@ -24,7 +24,7 @@ from rich.progress import track
 from torch import nn
 
 from evals.data import data_file, read_jsonl
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.methods.base import STAT_KINDS, LayerStats
 from specdec.generate import eos_token_ids, encode_prompt
 from specdec.sampling import SamplingConfig, sample_from, logits_to_probs

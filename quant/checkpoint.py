@@ -25,7 +25,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from safetensors.torch import save_file
 from torch import nn
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import build_model, load_state_dict
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from quant.actquant import check_scale, make_observer
-from quant.errors import UserError
+from runtime.errors import UserError
 
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.model_store import resolve_model
 from specdec.transformer import ATTENTION, ModelArgs, Transformer
 

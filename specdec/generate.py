@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel
 from specdec.sampling import SamplingConfig, next_token
 

@@ -1,62 +1,146 @@
-"""``nn.Linear`` whose inference forward runs on a prepacked weight (MKL for fp32, oneDNN for bf16).
+"""``nn.Linear`` whose inference forward runs on the best dense kernel this machine has (``runtime.hardware``).
 
 At batch 1 decoding is one matrix-vector product per layer, and the plain ``F.linear`` GEMV reaches only
-~11-13 GB/s here; the same product on a weight reordered once into the library's blocked layout is ~2x
-faster (what inductor's weight freezing does). The pack is built on the first no-grad forward and rebuilt
-whenever the weight changes (in-place edits bump ``weight._version``: calibration folds scales into weights),
-so it can never be stale. It costs one extra copy of the dense weights; the plain weight stays the source of
-truth for state dicts, quantization and export. Anything else (grad, other dtypes/devices) uses ``F.linear``.
+~11-13 GB/s; the same product on a weight reordered once into the library's blocked layout is ~2x faster
+(what inductor's weight freezing does). Kernels, picked per dtype and machine:
 
-bf16 rows are batch-invariant: a row's output does not depend on how many rows run with it, so verifying
-K+1 tokens gives bitwise the logits of decoding them one by one. oneDNN's one-row kernel breaks that for wide
-inputs (down_proj here), so those layers run a lone row as two (~1-2% of a decode step).
+* fp32: ``mkl-prepacked`` (MKL's packed GEMM) or ``aten-fp32`` (plain ``F.linear``).
+* bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``
+  (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
+  missing the others are labelled as a fallback.
+
+Where the prepacked kernel is missing, the fastest fallback at decode is taken per weight shape, measured once
+per machine (``runtime.hardware.ranked``); in bf16 the fastest whose rows are batch-invariant (below). The pack is built on the first no-grad forward and
+rebuilt whenever the weight changes (in-place edits bump ``weight._version``), so it can never be stale; the
+plain weight stays the source of truth.
+
+bf16 rows must be batch-invariant for exact speculation: a row's output may not depend on how many rows run
+with it. Every bf16 kernel is probed for that (``runtime.hardware.row_invariance``): oneDNN's one-row kernel
+sums wide inputs in another order, so those layers run a lone row as two; a kernel with no invariant form is
+reported (``batch_invariant`` False) and bf16 speculation refuses it (``specdec.speculative``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.hardware import probe, ranked, row_invariance
 
-def _pack_fp32(weight: torch.Tensor):
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DenseKernel:
+    """One packed weight: ``fn`` computes ``x [M, K] -> [M, N]``; ``name`` and ``batch_invariant`` are reported."""
+
+    fn: Fn
+    name: str
+    batch_invariant: bool
+
+
+def _onednn_bf16(weight: torch.Tensor) -> Fn:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _mkl_fp32(weight: torch.Tensor) -> Fn:
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, None, x.shape[0])
 
 
-def _pack_bf16(weight: torch.Tensor):
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-    if not _one_row_kernel_differs(linear, weight.shape):
-        return linear
-    return lambda x: linear(torch.cat((x, x)))[:1] if x.shape[0] == 1 else linear(x)
+def _aten(weight: torch.Tensor) -> Fn:
+    return lambda x: F.linear(x, weight)
 
 
-_ONE_ROW_DIFFERS: dict[tuple, bool] = {}
+def _fp32_upcast(weight: torch.Tensor) -> Fn:
+    w32 = weight.float()
+    return lambda x: F.linear(x.float(), w32).to(weight.dtype)
 
 
-def _one_row_kernel_differs(linear, shape: torch.Size) -> bool:
-    """Whether ``linear`` gives a row alone other bits than the same row among others. oneDNN runs one bf16
-    row on its own kernel, which here sums inputs wider than 1024 in another order than its many-row kernel
-    (bitwise equal to each other for every M measured). Probed once per shape and thread count with
-    heavy-tailed rows, the kind of activations that expose a different summation order."""
-    key = (tuple(shape), torch.get_num_threads())
-    if key not in _ONE_ROW_DIFFERS:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(33, shape[1], generator=g) * torch.randn(33, shape[1], generator=g).exp()
-        x = x.to(torch.bfloat16)
-        together = linear(x)
-        _ONE_ROW_DIFFERS[key] = any(not torch.equal(linear(x[i:i + 1]), together[i:i + 1]) for i in range(32))
-    return _ONE_ROW_DIFFERS[key]
+DENSE: dict[torch.dtype, dict[str, Callable[[torch.Tensor], Fn]]] = {
+    torch.bfloat16: {"onednn-prepacked": _onednn_bf16, "aten-bf16": _aten, "fp32-upcast": _fp32_upcast},
+    torch.float32: {"mkl-prepacked": _mkl_fp32, "aten-fp32": _aten},
+}
 
 
-PACKERS = {}
-if torch.backends.mkl.is_available():
-    PACKERS[torch.float32] = _pack_fp32
-if torch.backends.mkldnn.is_available():
-    PACKERS[torch.bfloat16] = _pack_bf16
+def candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Fn]]:
+    """The dense kernels that run here for ``dtype`` (the probe decides about the prepacked ones)."""
+    missing = {"onednn-prepacked": not probe().bf16_prepack_ok, "mkl-prepacked": not torch.backends.mkl.is_available()}
+    return {name: make for name, make in DENSE.get(dtype, {}).items() if not missing.get(name)}
+
+
+def _by_speed(dtype: torch.dtype, shape: torch.Size) -> list[str]:
+    """This dtype's kernels, fastest first at decode (one row: what generation runs), measured once per machine."""
+    n, k = shape
+
+    def timed(make: Callable[[torch.Tensor], Fn]):
+        fn = make(torch.randn(n, k).to(dtype))
+        return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(dtype))
+
+    names = candidates(dtype)
+    return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})["decode"]
+
+
+def _invariant(fn: Fn, name: str, shape: torch.Size) -> tuple[Fn, bool]:
+    """``fn`` in its batch-invariant form (a lone row run as two where that is what it takes), and whether
+    one exists."""
+    how = row_invariance((name, *shape), fn, shape[1])
+    if how == "two-rows":
+        return (lambda x: fn(torch.cat((x, x)))[:1] if x.shape[0] == 1 else fn(x)), True
+    return fn, how == "alone"
+
+
+def pack(weight: torch.Tensor) -> DenseKernel | None:
+    """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere the
+    fastest fallback here, in bf16 the fastest whose rows are batch-invariant (exact speculation), or the
+    fastest when none is. Fallbacks are labelled as such."""
+    makers = candidates(weight.dtype)
+    if not makers:
+        return None
+    prepacked = [name for name in makers if name.endswith("-prepacked")]
+    order = prepacked + [n for n in _by_speed(weight.dtype, weight.shape) if n not in prepacked] if not prepacked \
+        else prepacked + [n for n in makers if n not in prepacked]
+    missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
+    kernels = []
+    for name in order:
+        fn = makers[name](weight)
+        label = f"{name} (fallback: {missing})" if missing else name
+        if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
+            return DenseKernel(fn, label, False)
+        fn, invariant = _invariant(fn, name, weight.shape)
+        kernels.append(DenseKernel(fn, label, invariant))
+        if invariant:
+            return kernels[-1]
+    return kernels[0]
+
+
+class DensePack:
+    """A cached ``DenseKernel`` for one weight tensor, rebuilt when the tensor or its contents change."""
+
+    def __init__(self):
+        self.kernel: DenseKernel | None = None
+        self._key = None
+
+    def get(self, weight: torch.Tensor) -> DenseKernel | None:
+        if weight.device.type != "cpu":
+            return None
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype)
+        if self._key != key:
+            self.kernel, self._key = pack(weight.detach()), key
+        return self.kernel
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, weight)`` on the packed kernel (plain ``F.linear`` for grad, other dtypes/devices)."""
+        kernel = None
+        if x.dtype == weight.dtype and not (torch.is_grad_enabled() and weight.requires_grad):
+            kernel = self.get(weight)
+        if kernel is None:
+            return F.linear(x, weight)
+        return kernel.fn(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], weight.shape[0])
 
 
 class PackedLinear(nn.Linear):
@@ -64,17 +148,18 @@ class PackedLinear(nn.Linear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._packed = None
-        self._packed_key = None
+        self._pack = DensePack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        packer = PACKERS.get(weight.dtype)
-        if packer is None or weight.device.type != "cpu" or x.dtype != weight.dtype or (
-                torch.is_grad_enabled() and weight.requires_grad):
-            return F.linear(x, weight, self.bias)
-        key = (weight.data_ptr(), weight._version, weight.shape)
-        if self._packed_key != key:
-            self._packed, self._packed_key = packer(weight.detach()), key
-        y = self._packed(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], weight.shape[0])
+        y = self._pack.linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
+
+    @property
+    def kernel_detail(self) -> str:
+        kernel = self._pack.get(self.weight)
+        return kernel.name if kernel else "aten"
+
+    @property
+    def batch_invariant(self) -> bool:
+        kernel = self._pack.get(self.weight)
+        return bool(kernel and kernel.batch_invariant)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)

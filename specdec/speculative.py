@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel
 from specdec.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
@@ -23,6 +23,26 @@ def check_k(k: int) -> int:
     return k
 
 
+def variant_kernels(model: torch.nn.Module) -> dict[str, str]:
+    """Linear kernels whose rows depend on the batch here (probed): layer name -> kernel."""
+    return {name: m.kernel_detail for name, m in model.named_modules()
+            if hasattr(m, "batch_invariant") and not m.batch_invariant}
+
+
+def check_bf16_exact(target: LoadedModel) -> None:
+    """Refuse bf16 speculation whose output could differ from plain decoding (attention or a linear kernel
+    that is not batch-invariant on this machine), naming what breaks it and what works."""
+    if target.model.attn_implementation != "eager":
+        raise UserError("bf16 speculation needs batch-invariant attention for its output to equal plain "
+                        "decoding: load the target with attn_implementation='eager'")
+    variant = variant_kernels(target.model)
+    if variant:
+        kernels = sorted({detail.split(" (")[0] for detail in variant.values()})
+        raise UserError(f"bf16 speculation would not be token-exact on this machine: {len(variant)} linear layers "
+                        f"run kernels whose rows depend on the batch (probed: {', '.join(kernels)}); speculate in "
+                        "fp32 (--dtype fp32), or on a CPU with oneDNN bf16 prepacking (AVX-512)")
+
+
 class SpeculativeDecoder:
     """Output equals plain decoding token for token when greedy, and in distribution when sampling. In bf16
     the target must use batch-invariant ("eager") attention: the logits of a verified token are then bitwise its
@@ -32,9 +52,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: LoadedModel, proposer: Proposer | str, k: int,
                  sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048):
-        if target.dtype == torch.bfloat16 and target.model.attn_implementation != "eager":
-            raise UserError("bf16 speculation needs batch-invariant attention for its output to equal plain "
-                            "decoding: load the target with attn_implementation='eager'")
+        if target.dtype == torch.bfloat16:
+            check_bf16_exact(target)
         self.k = check_k(k)
         self.sampling = sampling
         self.decoder = Decoder(target, max_len)

@@ -126,6 +126,10 @@ def sdpa_attention(q, k, v, mask):
 
 
 KEY_BLOCK = 1024  # bf16 matmuls sum more than 1024 terms in another order: p @ v runs per fixed key block
+# Keys an attention reads, rounded up to a multiple of this (the extra ones masked): on AMX the bf16 matmuls
+# treat a ragged tail of keys differently, so a lone query over 147 keys and the same query among others over
+# 148 summed in another order. With the key count aligned, every row sees the same reduction shape.
+KEY_ALIGN: dict[str, int] = {"eager": 64}
 
 
 @register_attention("eager")
@@ -206,11 +210,12 @@ class Transformer(nn.Module):
         """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending)."""
         if input_pos[-1] >= self.max_len:
             raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
-        length = int(input_pos[-1]) + 1
+        align = KEY_ALIGN.get(self.attn_implementation, 1)
+        length = min(-(-(int(input_pos[-1]) + 1) // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         mask = None
-        if seqlen > 1:  # causal within the new tokens, full visibility of the cached prefix
+        if seqlen > 1 or length > int(input_pos[-1]) + 1:  # causal within the new tokens, and past the last one
             key_pos = torch.arange(length, device=tokens.device)
             mask = key_pos[None, :] <= input_pos[:, None]
         x = self.embed_tokens(tokens)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.app import app
 from studies import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant  # noqa: F401  (register commands)
 

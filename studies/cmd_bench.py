@@ -9,7 +9,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from evals.record import write_json_atomic
-from quant.errors import UserError
+from runtime.errors import UserError
+from runtime.hardware import hardware_line
 from studies.app import DataDirOption, app
 
 console = Console()
@@ -62,6 +63,7 @@ def print_results(title: str, runs: list) -> None:
             f"{spec['tau']:.2f}" if spec.get("tau") is not None else "-",
             f"{s['speedup']:.2f}x" if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}", str(s["n_failed"]))
     console.print(table)
+    console.print(f"[dim]{hardware_line()}[/]")
 
 
 def _spec_label(run) -> str:

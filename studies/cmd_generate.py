@@ -8,6 +8,7 @@ from rich.table import Table
 from quant.loading import load_model
 from specdec.generate import Decoder, encode_prompt
 from specdec.sampling import SamplingConfig
+from runtime.hardware import hardware_line
 from studies.app import app
 
 console = Console()
@@ -29,12 +30,21 @@ def generate(
                                                "the text `accept` and `check-lossless` compare against in bf16)."),
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
-    sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    answer(prompt, model, dtype, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), threads,
+           chat=False if no_chat else None, attention=attention)
+
+
+def answer(prompt: str, model: str = "default", dtype: str = "fp32", max_new_tokens: int = 128,
+           sampling: SamplingConfig = SamplingConfig(), threads: int | None = None, chat: bool | None = None,
+           attention: str = "sdpa") -> None:
+    """Print the native runtime's answer, then one speed line naming the precision, attention, the kernels
+    that ran and this machine's ISA (with any fallback)."""
     lm = load_model(model, dtype, threads, attention)
-    ids = encode_prompt(lm.tokenizer, prompt, chat=False if no_chat else None)
+    ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
     result = Decoder(lm, max_len=len(ids) + max_new_tokens + 1).generate(ids, max_new_tokens, sampling)
     console.print(result.text)
-    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention[/]")
+    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention, "
+                  f"{hardware_line(lm.model)}[/]")
 
 
 def print_decode_comparison(record) -> None:
@@ -63,8 +73,7 @@ def demo(
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
     from evals.decode_speed import compare_decode
 
-    generate(prompt="What is the capital of France?", model="default", dtype="fp32", max_new_tokens=32,
-             temperature=0.0, top_k=0, top_p=1.0, seed=None, threads=None, no_chat=False)
+    answer("What is the capital of France?", max_new_tokens=32)
     record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=2)
     print_decode_comparison(record)
     record.write(out)

@@ -11,7 +11,8 @@ from rich.table import Table
 from evals.fidelity import FidelityStats, token_fidelity
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from quant.errors import UserError
+from runtime.errors import UserError
+from runtime.hardware import hardware_line
 from quant.loading import LoadedModel, load_model
 from quant.methods import get_method
 from quant.model_store import SMOLLM2, is_default_model, weights_hash
@@ -75,7 +76,7 @@ def quant_record(model: str, lm: LoadedModel, report, fidelity: FidelityStats, c
         name="quantize",
         model=ModelCondition(model, weights_hash(lm.path), f"{report.scheme.label} ({report.dtype} activations)",
                              scheme=report.scheme.label, note=caveat),
-        hardware=hardware_info(),
+        hardware=hardware_info(lm.model),
         lengths=LengthDistribution(len(FIDELITY_PROMPTS), {"source": "chat prompts"},
                                    {"fixed": FIDELITY_NEW_TOKENS}, "built-in fidelity prompts", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
@@ -123,6 +124,7 @@ def quantize(
     caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""
     written = save_compressed(lm, report, out, overwrite) if out is not None else None
     print_report(report, fidelity, written, caveat)
+    console.print(f"[dim]{hardware_line(lm.model)}[/]")
     if json_out is not None:
         quant_record(model, lm, report, fidelity, caveat).write(json_out)
         console.print(f"run record: {json_out}")

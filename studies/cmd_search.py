@@ -9,13 +9,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.app import DataDirOption, app
 from studies.objective import get_evaluator
 from studies.pareto import StudySummary, footer_lines, load_summary, rich_table, summarize, write_csv, write_json, write_png
 from studies.search import DEFAULT_STUDY_DIR, SearchSettings, finished_trials, run_search
 from studies.space import load_space
-from studies.storage import storage_url
+from studies.storage import GRACE_S, HEARTBEAT_S, shown_url, storage_url
 
 
 def _console() -> Console:
@@ -86,6 +86,9 @@ def search(
     study_dir: Path = typer.Option(DEFAULT_STUDY_DIR, "--study-dir", help="Folder for the default SQLite storage."),
     create: bool = typer.Option(False, "--create", help="Create --study-name if it does not exist."),
     resume: bool = typer.Option(False, "--resume", help="Continue a study; trials of dead workers are failed and re-queued."),
+    heartbeat: int = typer.Option(HEARTBEAT_S, "--heartbeat", help="RDB storages: seconds between a worker's heartbeats."),
+    grace: int = typer.Option(GRACE_S, "--grace", help="RDB storages: seconds without a heartbeat after which a "
+                                                       "worker's RUNNING trial is failed and re-queued once."),
     evaluator: str = typer.Option("real", help="Trial evaluator (registry name)."),
     exact_fraction: float = typer.Option(0.25, "--exact-fraction", help="Share of speculative trials whose greedy "
                                                                          "outputs are checked against no speculation."),
@@ -106,14 +109,15 @@ def search(
     settings = SearchSettings(
         space=load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,
         mode=mode, sampler=sampler, seed=seed, study_name=study_name, storage=storage, study_dir=study_dir,
-        create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout)
+        create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout, heartbeat_s=heartbeat,
+        grace_s=grace)
     console = _console()
     trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
                                     output_len=new_tokens, threads=threads)
     outcome = search_with_progress(settings, trial_evaluator, console)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
-    console.print(f"study {outcome.study.study_name!r} in {storage_url(storage, study_dir)}; this worker ran "
+    console.print(f"study {outcome.study.study_name!r} in {shown_url(storage_url(storage, study_dir))}; this worker ran "
                   f"{outcome.ran} trial(s)")
     report(summarize(outcome.study), console, csv, png, json_out)
 

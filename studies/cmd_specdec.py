@@ -13,7 +13,7 @@ from rich.table import Table
 from evals.data import load_prompts
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel, load_model
 from quant.model_store import SMOLLM2, is_default_model, weights_hash
 from specdec.generate import encode_prompt
@@ -78,7 +78,7 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
     return RunRecord(
         name="specdec-accept",
         model=model_condition(target, lm),
-        hardware=hardware_info(),
+        hardware=hardware_info(lm.model),
         lengths=LengthDistribution(len(prompts), {"mean": sum(lengths) / len(lengths), "min": min(lengths),
                                                   "max": max(lengths)}, output, source, ignore_eos),
         arrival=ArrivalProcess("batch-1 sequential", 1),
@@ -301,7 +301,7 @@ def check_lossless(
     failed = bool(mismatches) or any(passed is False for _, passed, _ in rows)
     if json_out:
         RunRecord(
-            name="specdec-check-lossless", model=model_condition(target, lm), hardware=hardware_info(),
+            name="specdec-check-lossless", model=model_condition(target, lm), hardware=hardware_info(lm.model),
             lengths=LengthDistribution(limit, {"prompts": [len(p) for p in ids]}, {"fixed": max_new_tokens}, prompts, True),
             arrival=ArrivalProcess("batch-1 sequential", 1),
             engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,

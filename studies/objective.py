@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.space import SearchSpace, TrialConfig
 
 

@@ -84,7 +84,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
         alpha=speed.get("alpha"), tau=speed.get("tau"),
         feasible=None if constraint is None else constraint <= 0, exact=attrs.get("exact_check"),
         duplicate_of=attrs.get("duplicate_of"),
-        reason=attrs.get("pruned_reason") or attrs.get("error") or attrs.get("stale"),
+        reason=attrs.get("pruned_reason") or attrs.get("error") or attrs.get("stale") or attrs.get("surplus"),
     )
     if config.get("weights", "").startswith(Q4_1_SCHEME) and is_default_model(config.get("model", "")):
         row.notes.append("q4_1")
@@ -240,16 +240,16 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
 
 
 def load_summary(storage_url: str, study_name: str | None) -> StudySummary:
-    from quant.errors import UserError
-    from studies.storage import open_storage
+    from runtime.errors import UserError
+    from studies.storage import open_storage, shown_url
 
-    storage = open_storage(storage_url)
+    storage = open_storage(storage_url, read_only=True)
     names = optuna.get_all_study_names(storage)
     if study_name is None:
         if len(names) != 1:
             raise UserError(f"pass --study-name: the storage holds {len(names)} studies ({', '.join(names) or 'none'})")
         study_name = names[0]
     if study_name not in names:
-        raise UserError(f"study {study_name!r} not found in {storage_url} (has: {', '.join(names) or 'none'})")
+        raise UserError(f"study {study_name!r} not found in {shown_url(storage_url)} (has: {', '.join(names) or 'none'})")
     return summarize(optuna.load_study(study_name=study_name, storage=storage))
 

@@ -6,6 +6,11 @@ and shared through the study's user attrs, because exact verification makes spec
 outputs unchanged; a sampled fraction of speculative trials re-checks that claim on greedy outputs
 (user attr ``exact_check``). The floor is a constraint set with ``Trial.set_constraint`` (Optuna 5's
 replacement for the deprecated ``constraints_func``; TPE and NSGA-II both read it): floor - quality <= 0.
+
+Several workers on one study end with exactly ``n_trials`` finished trials: a worker starts a trial only while
+finished + in-flight trials are fewer, and a trial that two workers started at once beyond the target ends FAIL
+with user attr ``surplus``, unmeasured. Before measuring a transformation's quality, a trial claims it (user attr
+``quality_claim``); the earliest claimant measures and the others wait for its study user attr.
 """
 from __future__ import annotations
 
@@ -18,15 +23,19 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
-from studies.storage import WORKER_ATTR, open_storage, recover_stale_trials, storage_url, worker_id
+from studies.storage import (GRACE_S, HEARTBEAT_S, WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
+                             storage_url, worker_id)
 
 DEFAULT_STUDY_DIR = Path("runs/search")
 DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
 CONSTRAINT = "quality_floor"
 QUALITY_ATTR = "quality/"  # study user attr prefix, one entry per quality key
+CLAIM_ATTR, SURPLUS_ATTR = "quality_claim", "surplus"
+CLAIM_SETTLE_S = 0.3  # a claimant looks for rivals this long after claiming, so concurrent claims see each other
+POLL_S = 0.5  # waiting for another worker's quality measurement or in-flight trials
 
 SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler]] = {
     "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
@@ -50,6 +59,8 @@ class SearchSettings:
     resume: bool = False
     exact_fraction: float = 0.25  # share of speculative trials whose greedy outputs are re-checked
     timeout_s: float | None = None
+    heartbeat_s: int = HEARTBEAT_S  # RDB storages: a worker's heartbeat interval ...
+    grace_s: int = GRACE_S  # ... and the silence after which its RUNNING trial is failed and re-queued
 
     def __post_init__(self):
         if self.n_trials < 1:
@@ -60,11 +71,14 @@ class SearchSettings:
             raise UserError(f"unknown sampler {self.sampler!r}: use {', '.join(SAMPLERS)}")
         if not 0.0 <= self.exact_fraction <= 1.0:
             raise UserError(f"--exact-fraction must be in [0, 1], got {self.exact_fraction}")
+        if not 1 <= self.heartbeat_s < self.grace_s:
+            raise UserError(f"need 1 <= --heartbeat < --grace (seconds), got {self.heartbeat_s} and {self.grace_s}")
 
 
 def open_study(settings: SearchSettings, default_floor: str | None = None) -> optuna.Study:
     """Create or load the study; its floor, mode and space are stored as study user attrs on creation."""
-    storage = open_storage(storage_url(settings.storage, settings.study_dir))
+    storage = open_storage(storage_url(settings.storage, settings.study_dir), heartbeat_s=settings.heartbeat_s,
+                           grace_s=settings.grace_s)
     names = optuna.get_all_study_names(storage)
     name = settings.study_name
     if name is None:
@@ -142,6 +156,10 @@ def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
 
 
+class SurplusTrial(Exception):
+    """Started together with another worker's trial when only one more was needed (recorded FAIL, not counted)."""
+
+
 class TrialRunner:
     """The Optuna objective: suggest, validate, measure (quality cached), record."""
 
@@ -152,6 +170,7 @@ class TrialRunner:
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         trial.set_user_attr(WORKER_ATTR, worker_id())
+        self._refuse_surplus(trial)
         config = self.space.suggest(trial)
         trial.set_user_attr("config", config.to_dict())
         trial.set_user_attr("label", config.label)
@@ -171,6 +190,15 @@ class TrialRunner:
         trial.set_constraint(CONSTRAINT, self.floor - quality.value)
         return speed.tok_s if self.settings.mode == "constrained" else (speed.tok_s, quality.value)
 
+    def _refuse_surplus(self, trial: optuna.Trial) -> None:
+        """Workers that started trials at the same moment: those beyond the study's target stop unmeasured."""
+        counted = {t.number for t in finished_trials(self.study)} | {t.number for t in in_flight(self.study)}
+        ahead = sum(n < trial.number for n in counted)
+        if ahead >= self.settings.n_trials:
+            reason = f"not needed: {ahead} earlier trials were finished or running (--n-trials {self.settings.n_trials})"
+            trial.set_user_attr(SURPLUS_ATTR, reason)
+            raise SurplusTrial(reason)
+
     @staticmethod
     def _prune(trial: optuna.Trial, reason: str):
         trial.set_user_attr("pruned_reason", reason)
@@ -183,7 +211,7 @@ class TrialRunner:
             return (QualityResult.from_dict(duplicate.user_attrs["quality"]),
                     SpeedResult(**duplicate.user_attrs["speed"] | {"record": duplicate.user_attrs.get("record")}))
         speed = self.evaluator.speed(config)  # first: a point the engine refuses fails fast, before quality
-        quality = self.quality(config)
+        quality = self.quality(config, trial)
         if config.speculative and self._sampled_for_exact_check(trial.number):
             trial.set_user_attr("exact_check", self.exact_check(config))
         return quality, speed
@@ -195,15 +223,36 @@ class TrialRunner:
                 return t
         return None
 
-    def quality(self, config: TrialConfig) -> QualityResult:
-        """Quality of the config's model transformation, measured once per study and shared by all workers."""
+    def quality(self, config: TrialConfig, trial: optuna.Trial | None = None) -> QualityResult:
+        """Quality of the config's model transformation, measured once per study and shared by all workers.
+
+        With ``trial``, the trial claims the measurement; while an earlier claimant (by claim time, then number)
+        is still running, this worker waits for its result instead of measuring the same thing again."""
         key = QUALITY_ATTR + config.quality_key
-        cached = self.study.user_attrs.get(key)
+        claimed = False
+        while (cached := self.study.user_attrs.get(key)) is None:
+            if trial is None:
+                break
+            if not claimed:
+                trial.set_user_attr(CLAIM_ATTR, {"key": config.quality_key, "at": time.time()})
+                claimed = True
+                time.sleep(CLAIM_SETTLE_S)
+                continue
+            if self._claim_winner(config.quality_key) == trial.number:
+                break
+            time.sleep(POLL_S)
+            recover_stale_trials(self.study)  # a claimant that died stops blocking once its trial is failed
         if cached is not None:
             return QualityResult.from_dict(cached)
         result = self.evaluator.quality(config.transformation)
         self.study.set_user_attr(key, result.to_dict())
         return result
+
+    def _claim_winner(self, quality_key: str) -> int | None:
+        claims = [(t.user_attrs[CLAIM_ATTR]["at"], t.number) for t in self.study.get_trials(
+                  deepcopy=False, states=(TrialState.RUNNING,))
+                  if (t.user_attrs.get(CLAIM_ATTR) or {}).get("key") == quality_key]
+        return min(claims)[1] if claims else None
 
     def _sampled_for_exact_check(self, number: int) -> bool:
         return random.Random(self.settings.seed * 1_000_003 + number).random() < self.settings.exact_fraction
@@ -243,7 +292,14 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
     runner = TrialRunner(study, settings, evaluator)
     deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
     callbacks = [on_trial] if on_trial is not None else []
-    while len(finished_trials(study)) < settings.n_trials and (deadline is None or time.monotonic() < deadline):
+    while (finished := len(finished_trials(study))) < settings.n_trials and \
+            (deadline is None or time.monotonic() < deadline):
+        pending = awaiting_trials(study)
+        if finished + len(pending) >= settings.n_trials and not any(t.state == TrialState.WAITING for t in pending):
+            # the rest is running: wait, as it may die
+            time.sleep(POLL_S)
+            outcome.recovered += recover_stale_trials(study)  # also Optuna's heartbeat check (RDB storages)
+            continue
         study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
         outcome.ran += 1
     return outcome

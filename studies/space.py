@@ -12,7 +12,7 @@ from typing import Callable
 
 import yaml
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 SPACES_DIR = Path(__file__).parent / "spaces"
 BACKENDS = ("native", "vllm")

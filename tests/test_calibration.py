@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quant.calibration import CalibConfig, calibration_batches, collect_layer_stats
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import load_model
 
 

@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from quant import checkpoint
 from quant.checkpoint import ct_scheme, save_compressed
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import load_model
 from quant.qlinear import QuantizedLinear
 from quant.quantize import quantize_model

@@ -58,7 +58,7 @@ def test_bad_temperature(tiny_llama_dir):
 
 def test_missing_data_dir(tmp_path):
     from evals.data import find_data_dir
-    from quant.errors import UserError
+    from runtime.errors import UserError
 
     with pytest.raises(UserError, match="does not exist"):
         find_data_dir(tmp_path / "absent")

@@ -50,3 +50,13 @@ def test_model_info_prints_q4_1_caveat(default_model_dir):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "134.5 M" in proc.stdout and "Q4_1" in proc.stdout
+
+
+def test_model_fetch_command_is_idempotent(default_model_dir):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "studies.cli", "model", "fetch"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert str(default_model_dir) in proc.stdout.replace("\n", "")

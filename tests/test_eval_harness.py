@@ -3,18 +3,15 @@ import json
 
 import pytest
 
-from evals.data import find_data_dir
 from evals.floor import Floor, check_floor
 from evals.harness import EvalConfig, evaluate
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
+def home(tmp_path, monkeypatch, data_dir):
     monkeypatch.setenv("QUANTSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    if find_data_dir(None, required=False) is None:
-        pytest.skip("no eval data dir")
     return tmp_path
 
 

@@ -15,6 +15,7 @@ def _run(args, tmp_path):
                           env=env, timeout=900)
 
 
+@pytest.mark.data
 def test_eval_default_arc_easy_offline(default_model_dir, tmp_path):
     out = tmp_path / "eval.json"
     proc = _run(["default", "--tasks", "arc_easy", "--limit", "20", "--json", str(out)], tmp_path)

@@ -69,15 +69,11 @@ def test_generate_until_stops_on_stop_string(lms):
     assert cut == hf.generate_until(_requests("generate_until", [("abc", {"until": [stop], "max_gen_toks": 12})]), True)[0]
 
 
-def test_registered_as_lm_eval_model(tiny_llama_dir):
+def test_registered_as_lm_eval_model(tiny_llama_dir, data_dir):
     import lm_eval
 
-    from evals.data import find_data_dir
     from evals.harness import task_manager
 
-    data_dir = find_data_dir(None, required=False)
-    if data_dir is None:
-        pytest.skip("no eval data dir")
     res = lm_eval.simple_evaluate(model="quantspec", model_args=f"pretrained={tiny_llama_dir},threads=1",
                                   tasks=["piqa"], limit=3, task_manager=task_manager(("piqa",), data_dir))
     assert res["config"]["model"] == "quantspec" and 0 <= res["results"]["piqa"]["acc,none"] <= 1

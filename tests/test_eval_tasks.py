@@ -1,9 +1,8 @@
 """Local lm-eval task YAMLs read the data dir and build upstream-equivalent docs with the right golds."""
 import pytest
 
-from evals.data import find_data_dir
 from evals.harness import task_manager
-from quant.errors import UserError
+from runtime.errors import UserError
 
 LOCAL = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "winogrande", "lambada_openai", "wikitext")
 SIZES = {"arc_easy": 2376, "arc_challenge": 1172, "piqa": 1838, "hellaswag": 10042, "winogrande": 1267,
@@ -11,10 +10,7 @@ SIZES = {"arc_easy": 2376, "arc_challenge": 1172, "piqa": 1838, "hellaswag": 100
 
 
 @pytest.fixture(scope="module")
-def tasks():
-    data_dir = find_data_dir(None, required=False)
-    if data_dir is None:
-        pytest.skip("no eval data dir (../shared/data or QUANTSPEC_DATA_DIR)")
+def tasks(data_dir):
     from lm_eval.tasks import get_task_dict
 
     return get_task_dict(list(LOCAL), task_manager(LOCAL, data_dir))

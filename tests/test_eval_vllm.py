@@ -3,7 +3,7 @@ import pytest
 
 from evals.harness import EvalConfig, evaluate
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.data]
 
 
 def test_arc_easy_through_lm_eval_vllm(default_model_dir, tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from evals.floor import Floor, check_floor, count_flips
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 def _pair(n, p_ref, p_test, seed):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.kvcache import (KVQuantSpec, KVTensorSpec, QuantizedKVCache, calibrate_kv_scales, make_cache_factory,
                            parse_kv_spec, vllm_kv_cache_dtype)
 from quant.loading import load_model

@@ -7,7 +7,7 @@ import pytest
 from evals.backends.base import Request, RequestResult, SpecCounters, split_k
 from evals.loadgen import LoadSpec, arrival_offsets, closed_loop_async, open_loop_async
 from evals.serving_metrics import SLO, spec_summary, summarize
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 def test_poisson_offsets_have_the_requested_rate():

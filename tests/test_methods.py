@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quant.calibration import collect_layer_stats
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.folding import FoldGroup, fold_groups, fold_scale
 from quant.loading import load_model
 from quant.methods import LayerStats, get_method
@@ -146,12 +146,7 @@ def test_awq_transform_keeps_fp_model_and_stats_consistent(tiny_lm):
 
 
 @pytest.fixture(scope="module")
-def wikitext_dir():
-    from evals.data import find_data_dir
-
-    data_dir = find_data_dir(None, required=False)
-    if data_dir is None:
-        pytest.skip("no eval data dir")
+def wikitext_dir(data_dir):
     return data_dir
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from quant.actquant import fake_quantize_activation
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.qlinear import KERNELS, Kernel, QuantizedLinear, SimulatedKernel, register_kernel, select_kernel
 from quant.qmath import compute_qparams, quantize
 from quant.scheme import padded_width, parse_scheme

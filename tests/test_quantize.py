@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import load_model
 from quant.methods import METHODS, LayerStats, WeightMethod, register_method
 from quant.methods.rtn import RTN

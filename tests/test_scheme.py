@@ -6,7 +6,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_d
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.qmath import compute_qparams, dequantize, fake_quantize, group_view, quantize
 from quant.scheme import PRESETS, QuantScheme, WeightSpec, check_group_fits, is_ignored, padded_width, parse_scheme
 

@@ -1,10 +1,12 @@
 """Search machinery on a cheap deterministic evaluator: space, pruning, constraint, caching, failures,
-persistence (kill -9 + --resume), two workers on one storage, and the Pareto table."""
+persistence (kill -9 + --resume), three workers on one storage (journal, SQLite, PostgreSQL), a worker killed and
+found by Optuna's heartbeat, and the Pareto table."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -15,13 +17,15 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, register_evaluator
 from studies.pareto import footer_lines, rich_table, summarize, write_csv, write_json, write_png
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
 
 TESTS = Path(__file__).parent
+if os.environ.get("TOY_HOST"):  # a worker that should look remote: only Optuna's heartbeat can notice its death
+    socket.gethostname = lambda: os.environ["TOY_HOST"]
 QUALITY = {"none": 1.0, "w8ch-sym": 0.995, "w4g32-asym": 0.99, "w4g32-sym": 0.9}
 SPEED = {"none": 20.0, "w8ch-sym": 26.0, "w4g32-asym": 30.0, "w4g32-sym": 31.0}
 
@@ -41,6 +45,7 @@ class ToyEvaluator:
 
     def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None, **_):
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
+        self.quality_delay_s = float(os.environ.get("TOY_QUALITY_DELAY_S", 0))
         self.fail_on = os.environ.get("TOY_FAIL_ON", fail_on)
         self.log = os.environ.get("TOY_LOG", log)
         self.quality_calls: list[str] = []
@@ -54,6 +59,8 @@ class ToyEvaluator:
     def quality(self, config: TrialConfig) -> QualityResult:
         assert not config.speculative, "quality must be asked for the non-speculative transformation"
         self.quality_calls.append(config.quality_key)
+        time.sleep(self.quality_delay_s)
+        log_measurement(self.log, "quality", config.quality_key)
         value = QUALITY[config.weights] - (0.02 if config.kv != "none" else 0.0)
         return QualityResult(value=value, passes=value >= 0.98, accuracy=0.5 * value, reference_accuracy=0.5,
                              delta=0.5 * value - 0.5, ci=(0.5 * value - 0.51, 0.5 * value - 0.49), flips=int(100 * (1 - value)),
@@ -63,15 +70,34 @@ class ToyEvaluator:
         if config.weights == self.fail_on:
             raise RuntimeError(f"toy failure on {config.weights}")
         time.sleep(self.delay_s)
-        if self.log:
-            with open(self.log, "a") as f:
-                f.write(json.dumps({"pid": os.getpid(), "label": config.label}) + "\n")
+        log_measurement(self.log, "speed", config.label)
         gain = 1.0 + (0.15 * config.k - 0.012 * config.k ** 2 if config.speculative else 0.0)
         alpha, tau = (0.6, 1 + 0.5 * config.k) if config.speculative else (None, None)
         return SpeedResult(SPEED[config.weights] * gain, alpha, tau, record={"name": "toy", "label": config.label})
 
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
         return [[len(config.quality_key) + i + j for j in range(5)] for i in range(3)]
+
+
+def log_measurement(log: str | None, what: str, label: str) -> None:
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "what": what, "label": label}) + "\n")
+
+
+def measurements(log: Path, what: str) -> list[str]:
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return sorted(m["label"] for m in lines if m["what"] == what)
+
+
+if os.environ.get("QUALITY_LOG"):  # a worker with the real evaluator logs each quality measurement it makes
+    from studies.objective import RealEvaluator
+
+    def _logged_quality(self, config, _measure=RealEvaluator.quality):
+        log_measurement(os.environ["QUALITY_LOG"], "quality", config.quality_key)
+        return _measure(self, config)
+
+    RealEvaluator.quality = _logged_quality
 
 
 def toy_space(model_dir, **overrides) -> SearchSpace:
@@ -226,15 +252,24 @@ main(sys.argv[1:])
 """
 
 
-def cli(tmp_path, tiny_llama_dir, *args, env=None, popen=False):
-    cmd = [sys.executable, "-c", WORKER, "search", "--evaluator", "toy", "--model", str(tiny_llama_dir),
-           "--weights", "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
-           "--k", "1-6", "--floor", "0.98", *args]
+def quantspec(tmp_path, *args, env=None, popen=False, timeout_s=240):
+    """`quantspec ARGS` in a fresh process (with the toy evaluator registered), in ``tmp_path``."""
+    cmd = [sys.executable, "-c", WORKER, *args]
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                                 cwd=tmp_path)
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=240)
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=timeout_s)
+
+
+def toy_search(tiny_llama_dir) -> tuple[str, ...]:
+    return ("search", "--evaluator", "toy", "--model", str(tiny_llama_dir), "--weights",
+            "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
+            "--k", "1-6", "--floor", "0.98")
+
+
+def cli(tmp_path, tiny_llama_dir, *args, env=None, popen=False):
+    return quantspec(tmp_path, *toy_search(tiny_llama_dir), *args, env=env, popen=popen)
 
 
 def load(url, name="s"):
@@ -243,34 +278,71 @@ def load(url, name="s"):
     return optuna.load_study(study_name=name, storage=open_storage(url))
 
 
-def has_trial_rows(db: Path) -> bool:
+STORAGES = ["journal", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+def storage_for(kind: str, tmp_path: Path, request) -> str:
+    """A fresh storage URL of ``kind``: a journal file, a SQLite file or a database on the test PostgreSQL server."""
+    if kind == "postgres":
+        return request.getfixturevalue("pg_url")
+    return f"journal:///{tmp_path}/study.log" if kind == "journal" else f"sqlite:///{tmp_path}/study.db"
+
+
+def has_trial_rows(url: str) -> bool:
+    """SQLite: read the file without opening the storage (which may create tables) while a worker creates the schema."""
+    if not url.startswith("sqlite:///"):
+        return True
     try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        with sqlite3.connect(f"file:{url[len('sqlite:///'):]}?mode=ro", uri=True) as conn:
             return conn.execute("select count(*) from trials").fetchone()[0] > 0
     except sqlite3.Error:
         return False
 
 
-def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
-    db = tmp_path / "study.db"
-    url = f"sqlite:///{db}"
-    proc = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--create", "--n-trials", "10",
-               env={"TOY_DELAY_S": "0.6"}, popen=True)
-    deadline = time.time() + 120
-    before = []
+def trials_when(url: str, ready, timeout_s: float = 120) -> list:
+    """Poll study "s" until ``ready(trials)``; those trials, or [] on timeout."""
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         time.sleep(0.3)
-        if not has_trial_rows(db):
-            continue  # never open the storage (which may create tables) while the worker creates the schema
+        if not has_trial_rows(url):
+            continue
         try:
             trials = load(url).get_trials()
         except (KeyError, optuna.exceptions.StorageInternalError, UserError):
-            continue  # the worker may still be creating the schema (two creators race on a fresh SQLite file)
-        done = [t for t in trials if t.state == TrialState.COMPLETE]
-        if len(done) >= 3 and trials[-1].state == TrialState.RUNNING and "config" in trials[-1].user_attrs:
-            os.kill(proc.pid, signal.SIGKILL)
-            before = trials
-            break
+            continue  # the study or its schema is still being created by a worker
+        if ready(trials):
+            return trials
+    return []
+
+
+def whole_study(url: str, n_trials: int) -> dict[int, optuna.trial.FrozenTrial]:
+    """The study's trials by number, asserting: numbers 0..N-1 (no gaps, no duplicates), nothing left RUNNING or
+    WAITING, and exactly ``n_trials`` finished trials."""
+    study = load(url)
+    trials = study.get_trials()
+    assert [t.number for t in trials] == list(range(len(trials)))
+    assert not [t.number for t in trials if not t.state.is_finished()], [
+        (t.number, t.state.name, t.user_attrs.get("worker"), t.system_attrs.get("failed_trial"), str(t.datetime_start))
+        for t in trials]
+    assert len(finished_trials(study)) == n_trials
+    return {t.number: t for t in trials}
+
+
+def assert_unchanged(before: list, after: dict) -> None:
+    """Every trial finished in ``before`` is still there with the same state, values and params."""
+    finished = [t for t in before if t.state.is_finished()]
+    assert finished
+    for t in finished:
+        assert (after[t.number].state, after[t.number].values, after[t.number].params) == (t.state, t.values, t.params)
+
+
+def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
+    url = f"sqlite:///{tmp_path}/study.db"
+    proc = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--create", "--n-trials", "10",
+               env={"TOY_DELAY_S": "0.6"}, popen=True)
+    before = trials_when(url, lambda trials: sum(t.state == TrialState.COMPLETE for t in trials) >= 3 and
+                         trials[-1].state == TrialState.RUNNING and "config" in trials[-1].user_attrs)
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert before, "the worker never reached 3 finished trials with one running"
     running = [t.number for t in load(url).get_trials() if t.state == TrialState.RUNNING]
@@ -278,41 +350,79 @@ def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     resumed = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--resume", "--n-trials", "10")
     assert resumed.returncode == 0, resumed.stderr
     assert "re-queued trial(s)" in resumed.stdout
-    after = {t.number: t for t in load(url).get_trials()}
-    for t in before:  # every trial finished before the kill is still there, unchanged
-        if t.state.is_finished():
-            assert after[t.number].state == t.state and after[t.number].values == t.values
+    after = whole_study(url, 10)
+    assert_unchanged(before, after)
     for n in running:
         assert after[n].state == TrialState.FAIL and "died" in after[n].user_attrs["stale"]
     requeued = [t for t in after.values() if t.system_attrs.get("failed_trial") in running]
     assert requeued and all(t.state.is_finished() for t in requeued)
-    assert len(finished_trials(load(url))) == 10
-    assert not [t for t in after.values() if t.state == TrialState.RUNNING]
     assert "tok/s" in resumed.stdout  # the final table
 
 
-@pytest.mark.parametrize("kind", ["journal", "sqlite"])
-def test_two_workers_share_one_study(tmp_path, tiny_llama_dir, kind):
-    url = f"journal:///{tmp_path}/study.log" if kind == "journal" else f"sqlite:///{tmp_path}/study.db"
-    log = tmp_path / "measured.jsonl"
-    args = ("--storage", url, "--study-name", "s", "--create", "--n-trials", "12", "--exact-fraction", "0")
-    env = {"TOY_DELAY_S": "0.3", "TOY_LOG": str(log)}
-    workers = [cli(tmp_path, tiny_llama_dir, *args, env=env, popen=True) for _ in range(2)]
-    outs = [w.communicate(timeout=240) for w in workers]
-    for w, (out, err) in zip(workers, outs):
+def start_workers(tmp_path, search, url, n_workers, *extra, env=None, victim_env=None) -> list:
+    """``n_workers`` processes running ``search`` (`search ...` args) on study "s" of ``url``, the first one with
+    ``victim_env``."""
+    args = (*search, "--storage", url, "--study-name", "s", "--create", "--exact-fraction", "0", *extra)
+    return [quantspec(tmp_path, *args, env={**env, **(victim_env if i == 0 and victim_env else {})}, popen=True)
+            for i in range(n_workers)]
+
+
+def wait_ok(workers, timeout_s: float = 240) -> None:
+    for w in workers:
+        out, err = w.communicate(timeout=timeout_s)
         assert w.returncode == 0, err
-    study = load(url)
-    trials = study.get_trials()
-    numbers = [t.number for t in trials]
-    assert numbers == list(range(len(trials)))  # no gaps, no duplicate numbers
-    assert not [t for t in trials if not t.state.is_finished()]  # nothing lost in RUNNING/WAITING
-    assert 12 <= len(finished_trials(study)) <= 13  # each worker may start one last trial concurrently
-    pids = {t.user_attrs["worker"]["pid"] for t in trials}
-    assert len(pids) == 2  # both workers ran trials
-    measured = [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", STORAGES)
+def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
+    url = storage_for(kind, tmp_path, request)
+    log = tmp_path / "measured.jsonl"
+    workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12",
+                            env={"TOY_DELAY_S": "0.3", "TOY_QUALITY_DELAY_S": "0.5", "TOY_LOG": str(log)})
+    wait_ok(workers)
+    trials = list(whole_study(url, 12).values())  # exactly 12 finished, no gaps, no duplicates, nothing RUNNING
+    assert len({t.user_attrs["worker"]["pid"] for t in trials}) == 3  # every worker ran trials
+    surplus = [t for t in trials if "surplus" in t.user_attrs]
+    assert all(t.state == TrialState.FAIL and "config" not in t.user_attrs for t in surplus)  # never measured
     fresh = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
-    assert len(measured) == len(fresh)  # each measured trial was measured exactly once
-    assert sorted(m["label"] for m in measured) == sorted(t.user_attrs["label"] for t in fresh)
+    assert measurements(log, "speed") == sorted(t.user_attrs["label"] for t in fresh)  # each measured exactly once
+    stored = sorted(k.split("/", 1)[1] for k in load(url).user_attrs if k.startswith("quality/"))
+    assert measurements(log, "quality") == stored  # each transformation's quality measured once, shared
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_killed_worker_found_by_heartbeat_then_resume(tmp_path, tiny_llama_dir, kind, request):
+    """Three workers, one of them looking remote (so its pid cannot be checked) is killed mid-trial: Optuna's
+    heartbeat fails its trial, which is re-queued once; a fourth process resumes the study to more trials."""
+    url = storage_for(kind, tmp_path, request)
+    env = {"TOY_DELAY_S": "0.5"}
+    workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12", "--heartbeat", "1", "--grace", "3",
+                            env=env, victim_env={"TOY_HOST": "elsewhere"})
+
+    def victim_mid_trial(trials):
+        return sum(t.state == TrialState.COMPLETE for t in trials) >= 3 and any(
+            t.state == TrialState.RUNNING and "config" in t.user_attrs and
+            t.user_attrs["worker"]["host"] == "elsewhere" for t in trials)
+
+    before = trials_when(url, victim_mid_trial)
+    os.kill(workers[0].pid, signal.SIGKILL)
+    workers[0].wait(30)
+    assert before, "the victim never had a running trial after 3 finished ones"
+    killed = [t.number for t in before if t.state == TrialState.RUNNING and
+              t.user_attrs.get("worker", {}).get("host") == "elsewhere"]
+    wait_ok(workers[1:])
+    after = whole_study(url, 12)
+    assert_unchanged(before, after)
+    assert len(killed) == 1 and after[killed[0]].state == TrialState.FAIL
+    assert "stale" not in after[killed[0]].user_attrs  # failed by the heartbeat, not by the local pid check
+    requeued = [t for t in after.values() if t.system_attrs.get("failed_trial") == killed[0]]
+    assert len(requeued) == 1 and requeued[0].state.is_finished()  # re-queued exactly once, and run
+    assert requeued[0].params == after[killed[0]].params
+    resumed = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--resume", "--n-trials", "15",
+                  env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_unchanged(list(after.values()), whole_study(url, 15))
+    assert "this worker ran 3 trial(s)" in resumed.stdout
 
 
 def test_joining_worker_must_measure_the_same_way(tmp_path, tiny_llama_dir):

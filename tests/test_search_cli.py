@@ -2,6 +2,7 @@
 import pytest
 
 from studies.cli import main
+from studies.storage import open_storage
 from test_cli_errors import assert_one_line_error, run_cli
 
 
@@ -29,6 +30,7 @@ def cli_error(capsys, *args) -> str:
     (["--mode", "fastest"], "unknown mode"),
     (["--sampler", "cma"], "unknown sampler"),
     (["--n-trials", "0"], "--n-trials"),
+    (["--heartbeat", "5", "--grace", "5"], "--heartbeat < --grace"),
 ])
 def test_search_bad_input(tmp_path, capsys, args, needle):
     assert needle in cli_error(capsys, "search", "--study-dir", str(tmp_path), *args)
@@ -42,7 +44,17 @@ def test_study_must_exist_without_create(tmp_path, capsys):
 def test_pareto_bad_input(tmp_path, capsys):
     assert "no study storage" in cli_error(capsys, "pareto", "--study-dir", str(tmp_path))
     assert "unknown storage" in cli_error(capsys, "pareto", "--storage", "mongodb://x")
+    open_storage(f"sqlite:///{tmp_path}/e.db")  # a storage without that study
     assert "not found" in cli_error(capsys, "pareto", "--storage", f"sqlite:///{tmp_path}/e.db", "--study-name", "x")
+
+
+def test_pareto_creates_no_file(tmp_path, capsys):
+    assert "no SQLite study file" in cli_error(capsys, "pareto", "--storage", f"sqlite:///{tmp_path}/none.db")
+    assert "no file" in cli_error(capsys, "pareto", "--storage", f"journal:///{tmp_path}/none.log")
+    assert list(tmp_path.iterdir()) == []  # no empty database, lock or journal file left behind
+    # negative control: a search given the same URL does create the file
+    cli_error(capsys, "search", "--storage", f"sqlite:///{tmp_path}/none.db", "--study-name", "absent")
+    assert (tmp_path / "none.db").exists()
 
 
 def test_unreachable_database_from_the_console_script():

@@ -2,12 +2,14 @@
 quality via evals.evaluate, the greedy-equality check of a speculative trial, and the table caveat."""
 import pytest
 
+from conftest import bf16_speculation_refusal
+from quant.loading import load_model
 from studies.objective import get_evaluator
 from studies.pareto import footer_lines, summarize
 from studies.search import SearchSettings, open_study, run_search
 from studies.space import SearchSpace, TrialConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.data]
 
 
 def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
@@ -22,7 +24,11 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     study = run_search(settings, evaluator).study
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     ref, spec_trial = trials[0], trials[1]
-    assert ref.state.name == "COMPLETE" and spec_trial.state.name == "COMPLETE"
+    refusal = bf16_speculation_refusal(load_model("default", "bf16", attn_implementation="eager"))
+    assert ref.state.name == "COMPLETE" and spec_trial.state.name == ("PRUNED" if refusal else "COMPLETE")
+    if refusal:  # this machine's bf16 kernels are not batch-invariant: the point is pruned with that reason
+        assert "not be token-exact" in spec_trial.user_attrs["pruned_reason"]
+        return
     quality = ref.user_attrs["quality"]
     assert quality["passes"] and quality["value"] >= 0.9 and quality["flips"] == 0 and quality["delta"] == 0
     assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
@@ -35,3 +41,30 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     summary = summarize(study)
     row = next(r for r in summary.rows if r.number == 1)
     assert "q4_1" in row.notes and any("Q4_1" in line for line in footer_lines(summary))
+
+
+@pytest.mark.postgres
+def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
+    """The demo space on the default model: two workers on PostgreSQL measure each transformation's quality once
+    between them, and agree with a single SQLite worker on which transformations pass the floor."""
+    from test_search import load, measurements, start_workers, wait_ok
+
+    sqlite_url, log = f"sqlite:///{tmp_path}/one.db", tmp_path / "measured.jsonl"
+    demo = ("--evaluator", "real", "--space", "demo", "--floor", "0.9", "--limit", "20", "--prompts", "1",
+            "--new-tokens", "16", "--threads", "1", "--n-trials", "4")
+    env = {"HF_HUB_OFFLINE": "1", "QUALITY_LOG": str(log)}
+    wait_ok(start_workers(tmp_path, ("search", *demo), sqlite_url, 1, env=env), timeout_s=600)
+    log.unlink()
+    wait_ok(start_workers(tmp_path, ("search", *demo), pg_url, 2, env=env), timeout_s=600)
+    two = load(pg_url)
+    assert len({t.user_attrs["worker"]["pid"] for t in two.trials}) == 2  # both workers ran trials
+    stored = sorted(k.split("/", 1)[1] for k in two.user_attrs if k.startswith("quality/"))
+    assert measurements(log, "quality") == stored  # each transformation measured once between the two workers
+
+    def feasible(study) -> dict[str, bool]:
+        return {TrialConfig(**r.config).quality_key: r.feasible for r in summarize(study).measured}
+
+    one, both = feasible(load(sqlite_url)), feasible(two)
+    common = one.keys() & both.keys()
+    assert TrialConfig(model="default").quality_key in common  # the reference is trial 0 of both
+    assert {k: one[k] for k in common} == {k: both[k] for k in common}

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from conftest import make_tiny_llama
-from quant.errors import UserError
+from conftest import make_tiny_llama, require_bf16_exact
+from runtime.errors import UserError
 from quant.loading import load_model
 from specdec.generate import Decoder
 from specdec.lossless import Chain, acceptance_test, bonus_test, compare_to_reference, first_step_test, joint_test
@@ -400,6 +400,7 @@ def test_bad_proposer_specs(target, tmp_path):
     (["--draft", "nope"], "unknown proposer"), (["--draft", "layerskip:7"], "1..1"),
     (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top-p"), (["--top-p", "0"], "top-p"),
 ])
+@pytest.mark.data
 def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
     from studies.cli import main
 
@@ -411,6 +412,7 @@ def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
 
 
+@pytest.mark.data
 def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
     from studies.cli import main
 
@@ -505,6 +507,7 @@ def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
     from studies.cmd_specdec import measure_acceptance
 
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    require_bf16_exact(lm)
     reference = load_model(str(tiny_llama_dir), "bf16", attn_implementation="sdpa")
     record = measure_acceptance(lm, "tiny", build_proposer("ngram:min=1,max=3", lm), [2, 4],
                                 ["abcabcabc abc", "hello hello hel"], "inline", 16, SamplingConfig(), reference)

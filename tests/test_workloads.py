@@ -4,7 +4,7 @@ import json
 import pytest
 
 from evals.workloads import WORKLOADS, build_requests
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import load_tokenizer
 
 
@@ -51,11 +51,8 @@ def test_jsonl_path(tok, tmp_path):
     assert len(requests) == 5 and str(path) in source and requests[0].max_tokens == 9
 
 
+@pytest.mark.data
 def test_spec_bench_uses_data_dir(tok):
-    from evals.data import find_data_dir
-
-    if find_data_dir(required=False) is None:
-        pytest.skip("no eval data dir on this machine")
     requests, source = build_requests("spec_bench", tok, num_prompts=4)
     assert len(requests) == 4 and source.startswith("spec_bench")
 

@@ -1,7 +1,7 @@
 """Serving backends behind one interface, registered by name: ``native`` (quant/ + specdec/) and ``vllm``."""
 from evals.backends import native, vllm_engine  # noqa: F401  (register backends)
 from evals.backends.base import BACKENDS, Backend, EngineFailure, ServingConfig, register_backend
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 def backend_class(config: ServingConfig) -> type[Backend]:

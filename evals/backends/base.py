@@ -5,7 +5,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from quant.errors import UserError
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)

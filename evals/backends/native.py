@@ -14,7 +14,8 @@ import torch
 
 from evals.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
                                  check_fits, now, register_backend)
-from quant.errors import UserError
+from runtime.errors import UserError
+from runtime.hardware import kernels_used
 from specdec.generate import Decoder
 from specdec.sampling import SamplingConfig
 
@@ -67,7 +68,8 @@ class NativeBackend(Backend):
         return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16",
                 "attention": self.lm.model.attn_implementation, "scheme": self.scheme_info,
                 "method": self.config.method if self.quant_report else None,
-                "kernels": self.quant_report.kernels if self.quant_report else None, "kv": self.config.kv,
+                "kernels": self.quant_report.kernels if self.quant_report else None,
+                "kernels_run": kernels_used(self.lm.model), "kv": self.config.kv,
                 "spec": self.config.spec_label, "max_len": self.config.max_model_len,
                 "threads": torch.get_num_threads(), "batching": self.batching}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
                                  SpecCounters, check_fits, now, register_backend)
-from quant.errors import UserError
+from runtime.errors import UserError
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -97,7 +97,8 @@ def exported_checkpoint(config: ServingConfig) -> Path:
     serve the same integer weights."""
     from quant.checkpoint import save_compressed
     from quant.loading import load_model
-    from quant.model_store import quantspec_home, resolve_model, weights_hash
+    from quant.model_store import resolve_model, weights_hash
+    from runtime.hardware import quantspec_home
     from quant.quantize import quantize_model
     from quant.scheme import parse_scheme
 

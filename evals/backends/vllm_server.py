@@ -21,7 +21,7 @@ from pathlib import Path
 
 from evals.backends.base import EngineFailure, Progress, Request, RequestResult, SpecCounters, now
 from evals.loadgen import open_loop_async
-from quant.errors import UserError
+from runtime.errors import UserError
 
 START_TIMEOUT_S = float(os.environ.get("QUANTSPEC_VLLM_START_TIMEOUT", 600))
 REQUEST_TIMEOUT_S = 600.0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.scheme import WeightSpec
 
 STAT_KINDS = ("hessian", "abs_mean", "abs_max", "samples")

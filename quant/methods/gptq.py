@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from quant.methods.base import QuantResult, WeightMethod, register_method, require_stats
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.qmath import compute_qparams
 from quant.scheme import WeightSpec
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel
 from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from quant.loading import LoadedModel, load_model
 from specdec.generate import Decoder
 from specdec.proposers.base import AutoregressiveDraft, register_proposer

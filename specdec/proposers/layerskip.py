@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from specdec.proposers.base import AutoregressiveDraft, register_proposer
 
 

