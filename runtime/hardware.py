@@ -244,8 +244,7 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
 
 # ---- vLLM: which of its CPU ops the installed engine has ----
 
-VLLM_OPS = {"cpu_gemm_wna16": "W4A16 (compressed-tensors int4 weight-only)",
-            "dynamic_scaled_int8_quant": "W8A8 int8 dynamic activations"}
+VLLM_OPS = ("cpu_gemm_wna16", "dynamic_scaled_int8_quant")  # W4A16 weight-only int4; W8A8 int8 activations
 
 
 @functools.cache

@@ -102,8 +102,10 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     if not makers:
         return None
     prepacked = [name for name in makers if name.endswith("-prepacked")]
-    order = prepacked + [n for n in _by_speed(weight.dtype, weight.shape) if n not in prepacked] if not prepacked \
-        else prepacked + [n for n in makers if n not in prepacked]
+    if prepacked:
+        order = prepacked + [n for n in makers if n not in prepacked]
+    else:
+        order = _by_speed(weight.dtype, weight.shape)
     missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
     kernels = []
     for name in order:

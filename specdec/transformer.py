@@ -211,11 +211,12 @@ class Transformer(nn.Module):
         if input_pos[-1] >= self.max_len:
             raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
         align = KEY_ALIGN.get(self.attn_implementation, 1)
-        length = min(-(-(int(input_pos[-1]) + 1) // align) * align, self.max_len)  # keys read (aligned)
+        last = int(input_pos[-1]) + 1  # keys up to the last new token
+        length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         mask = None
-        if seqlen > 1 or length > int(input_pos[-1]) + 1:  # causal within the new tokens, and past the last one
+        if seqlen > 1 or length > last:  # causal within the new tokens, and past the last one
             key_pos = torch.arange(length, device=tokens.device)
             mask = key_pos[None, :] <= input_pos[:, None]
         x = self.embed_tokens(tokens)
