@@ -397,7 +397,7 @@ def test_killed_worker_found_by_heartbeat_then_resume(tmp_path, tiny_llama_dir, 
     url = storage_for(kind, tmp_path, request)
     env = {"TOY_DELAY_S": "0.5"}
     workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12", "--heartbeat", "1", "--grace", "3",
-                            env=env, victim_env={"TOY_HOST": "elsewhere"})
+                            env=env, victim_env={"TOY_HOST": "elsewhere", "TOY_DELAY_S": "600"})  # still mid-trial when killed
 
     def victim_mid_trial(trials):
         return sum(t.state == TrialState.COMPLETE for t in trials) >= 3 and any(
