@@ -16,17 +16,17 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.data import data_file
+from runtime.data import data_file
 from evals.fidelity import token_fidelity
 from evals.perplexity import WIKITEXT2_TEST
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig
-from quant.loading import load_model
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
-from quant.w8a8 import quantize_w8a8
-from specdec.generate import Decoder, encode_prompt
-from specdec.sampling import SamplingConfig
+from runtime.loading import load_model
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from quant.quantize import quantize_w8a8
+from runtime.generate import Decoder, encode_prompt
+from runtime.sampling import SamplingConfig
 
 # (row name, model dtype, scheme or None for dense, observer, SmoothQuant alpha)
 CONFIGS = [

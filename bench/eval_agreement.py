@@ -19,11 +19,11 @@ from pathlib import Path
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from evals.data import find_data_dir  # noqa: E402
+from runtime.data import find_data_dir  # noqa: E402
 from evals.harness import run_lm_eval, task_manager  # noqa: E402
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,  # noqa: E402
                           RunRecord, hardware_info)
-from quant.model_store import SMOLLM2, resolve_model, weights_hash  # noqa: E402
+from runtime.model_store import SMOLLM2, resolve_model, weights_hash  # noqa: E402
 
 # SmolLM2-135M-Instruct model card (lighteval, zero-shot, HF bf16 weights, not the Q4_1 GGUF used here).
 PUBLISHED = {"hellaswag": 40.9, "arc_avg": 37.3, "piqa": 66.3}

@@ -16,7 +16,7 @@ from rich.table import Table  # noqa: E402
 
 from evals.harness import EvalConfig, evaluate  # noqa: E402
 from evals.record import RunRecord, write_json_atomic  # noqa: E402
-from quant.model_store import SMOLLM2  # noqa: E402
+from runtime.model_store import SMOLLM2  # noqa: E402
 
 CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", "rtn:w3g32-sym", "gptq:w3g32-sym")
 

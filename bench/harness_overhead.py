@@ -39,7 +39,7 @@ def main(args):
     from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                               RunRecord, hardware_info)
     from evals.workloads import build_requests
-    from quant.model_store import SMOLLM2, resolve_model, weights_hash
+    from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 
     config = ServingConfig(backend="vllm", max_model_len=1024)
     rows = []

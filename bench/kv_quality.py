@@ -21,15 +21,15 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from evals.data import data_file
+from runtime.data import data_file
 from evals.perplexity import WIKITEXT2_TEST
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig, calibration_batches
 from quant.kvcache import calibrate_kv_scales, make_cache_factory, parse_kv_spec
-from quant.loading import load_model
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
-from specdec.generate import Decoder
+from runtime.loading import load_model
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.generate import Decoder
 
 GRANULARITY_SPECS = [f"k{b}{g}-v{b}{g}" for b in (8, 4, 2) for g in ("ts", "hs", "tok", "ch")]
 KEY_ONLY_SPECS = [f"k{b}{g}-v16" for b in (4, 2) for g in ("tok", "ch")]  # isolates the key granularity

@@ -17,11 +17,11 @@ from evals.decode_speed import DEFAULT_PROMPT, native_decode
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import decode_bytes_per_token, measure_bandwidth
-from quant.loading import load_model, set_threads
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.loading import load_model, set_threads
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.quantize import quantize_model
 from runtime.hardware import kernels_used, probe
-from specdec.generate import encode_prompt
+from runtime.generate import encode_prompt
 
 # (label, dtype, scheme or None, target ratio to fp32)
 CONFIGS = [("fp32", "fp32", None, None), ("bf16", "bf16", None, None), ("int8 W8A16", "bf16", "W8A16", 2.0),

@@ -21,8 +21,8 @@ from evals.perplexity import wikitext2_perplexity
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig
-from quant.loading import load_model, set_threads
-from quant.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.loading import load_model, set_threads
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
 from quant.quantize import quantize_model
 
 SCHEMES = ("w4g64-sym", "w4g32-sym", "w3g32-sym")

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
-from evals.data import PROMPT_FILES, data_file, read_jsonl
+from runtime.data import PROMPT_FILES, data_file, read_jsonl
 from evals.record import RunRecord
-from quant.loading import load_model
+from runtime.loading import load_model
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
-from studies.cmd_specdec import measure_acceptance, parse_ks, print_sweep
+from runtime.sampling import SamplingConfig
+from quantspec.cli.cmd_specdec import measure_acceptance, parse_ks, print_sweep
 
 SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 

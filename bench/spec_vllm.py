@@ -19,11 +19,11 @@ from evals.backends.base import ServingConfig
 from evals.backends.vllm_engine import counters_from_metrics, engine_kwargs, set_engine_env
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from quant.loading import load_model
-from quant.model_store import SMOLLM2, weights_hash
-from specdec.generate import encode_prompt
+from runtime.loading import load_model
+from runtime.model_store import SMOLLM2, weights_hash
+from runtime.generate import encode_prompt
 from specdec.metrics import AcceptanceStats
-from specdec.sampling import SamplingConfig
+from runtime.sampling import SamplingConfig
 from specdec.speculative import SpeculativeDecoder
 
 NGRAM = "ngram:min=2,max=4"

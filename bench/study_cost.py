@@ -16,7 +16,7 @@ from rich.table import Table
 
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from quant.model_store import SMOLLM2, resolve_model, weights_hash
+from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from studies.objective import get_evaluator
 from studies.pareto import footer_lines, rich_table, summarize
 from studies.search import SearchSettings, finished_trials, run_search

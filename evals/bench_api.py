@@ -16,9 +16,9 @@ from evals.loadgen import LoadSpec, arrival_offsets
 from evals.record import (EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord,
                           hardware_info)
 from evals.serving_metrics import METRIC_DEFINITIONS, SLO, length_distribution_stats, spec_summary, summarize
-from evals.workloads import build_requests
-from quant.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
-from specdec.generate import encode_prompt
+from evals.workloads import build_requests, WORKLOADS
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.generate import encode_prompt
 
 WARMUP_PROMPT = "Say hello in three languages."  # not part of any workload: measured prompts stay cold
 WARMUP_TOKENS = 8
@@ -142,8 +142,6 @@ def _record(config: ServingConfig, backend: Backend, workload: str, load: LoadSp
 
 
 def _named() -> set[str]:
-    from evals.workloads import WORKLOADS
-
     return set(WORKLOADS)
 
 

@@ -10,10 +10,10 @@ import torch
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import decode_bytes_per_token, measure_bandwidth
-from quant.loading import LoadedModel, load_model
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
-from specdec.generate import Decoder, encode_prompt
-from specdec.sampling import SamplingConfig
+from runtime.loading import LoadedModel, load_model
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.generate import Decoder, encode_prompt
+from runtime.sampling import SamplingConfig
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 

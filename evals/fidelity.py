@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import track
 
-from evals.data import data_file
+from runtime.data import data_file
 from evals.perplexity import WIKITEXT2_TEST, windows
 from runtime.errors import UserError
 

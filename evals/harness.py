@@ -15,13 +15,17 @@ from pathlib import Path
 from typing import Callable
 
 from evals import cache
-from evals.data import find_data_dir
+from runtime.data import find_data_dir
 from evals.fidelity import FidelityStats, wikitext_fidelity
 from evals.floor import Floor, FloorResult, check_floor
+from evals.vllm_shim import lm_eval_vllm
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from runtime.errors import UserError
-from quant.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.loading import load_model
+from quant.quantize import quantize_fresh
+from quant.kvcache import make_cache_factory, vllm_kv_cache_dtype
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"
 BACKENDS: dict[str, Callable] = {}
@@ -162,9 +166,7 @@ def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tu
 
 @register_backend("native")
 def native_lm(config: EvalConfig):
-    from evals.lm_native import NativeLM
-    from quant.loading import load_model
-    from quant.quantize import quantize_fresh
+    from evals.lm_native import NativeLM  # imports lm-eval
 
     loaded = load_model(config.model, config.dtype)
     if config.scheme:
@@ -175,8 +177,6 @@ def native_lm(config: EvalConfig):
 def _cache_factory(kv: str | None):
     if not kv:
         return None
-    from quant.kvcache import make_cache_factory
-
     return make_cache_factory(kv)
 
 
@@ -186,16 +186,12 @@ def vllm_lm(config: EvalConfig):
     if config.scheme:
         raise UserError("the vllm backend evaluates checkpoints: export the scheme as a compressed-tensors dir "
                         "first and pass that dir as MODEL")
-    from evals.vllm_shim import lm_eval_vllm
-
     kwargs = {"kv_cache_dtype": _vllm_kv(config.kv)} if config.kv else {}
     return lm_eval_vllm(str(resolve_model(config.model)), dtype={"fp32": "float32", "bf16": "bfloat16"}[config.dtype],
                         seed=config.seed, **kwargs)
 
 
 def _vllm_kv(kv: str) -> str:
-    from quant.kvcache import vllm_kv_cache_dtype
-
     return vllm_kv_cache_dtype(kv)
 
 
@@ -293,9 +289,6 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
 
 
 def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
-    from quant.loading import load_model
-    from quant.quantize import quantize_fresh
-
     ref = load_model(config.reference_model or config.model, config.dtype)
     test = load_model(config.model, config.dtype)
     if config.scheme:

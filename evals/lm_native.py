@@ -17,8 +17,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rich.progress import track
 
-from quant.loading import LoadedModel, load_model
-from specdec.generate import eos_token_ids
+from runtime.loading import LoadedModel, load_model
+from runtime.generate import eos_token_ids
+from quant.quantize import quantize_fresh
+from quant.kvcache import make_cache_factory
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -61,7 +63,7 @@ class PrefixScorer:
 
 @register_model("quantspec")
 class NativeLM(TemplateLM):
-    """lm-eval model over ``quant.loading.load_model`` (+ optional ``quantize_model`` and KV cache spec)."""
+    """lm-eval model over ``runtime.loading.load_model`` (+ optional ``quantize_model`` and KV cache spec)."""
 
     def __init__(self, pretrained: str = "default", scheme: str | None = None, method: str = "rtn",
                  kv: str | None = None, dtype: str = "fp32", max_length: int | None = None,
@@ -71,12 +73,8 @@ class NativeLM(TemplateLM):
         if loaded is None:
             loaded = load_model(pretrained, dtype, int(threads) if threads else None)
             if scheme:
-                from quant.quantize import quantize_fresh
-
                 quantize_fresh(loaded, scheme, method)
             if kv:
-                from quant.kvcache import make_cache_factory
-
                 cache_factory = make_cache_factory(kv)
         self.lm = loaded
         self.tokenizer = loaded.tokenizer

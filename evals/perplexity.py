@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import track
 
-from evals.data import data_file
+from runtime.data import data_file
 from runtime.errors import UserError
 
 WIKITEXT2_TEST = "wikitext2/wiki.test.raw"

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from runtime.hardware import kernels_used, measured_speeds, probe
 
 LIBRARIES = ("torch", "transformers", "vllm", "lm_eval", "optuna", "compressed_tensors", "numpy")
 
@@ -90,8 +91,6 @@ def hardware_info(model=None) -> dict[str, Any]:
     """CPU model, what the hardware probe found (ISA, bf16/int8 matmul, fallbacks), cores, threads in use,
     memory, GPU (if any), library versions, and with ``model`` the kernel each kind of linear layer ran."""
     import torch
-
-    from runtime.hardware import kernels_used, measured_speeds, probe
 
     hw = probe()
     mem_gib = None

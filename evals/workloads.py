@@ -1,9 +1,9 @@
 """Named workloads: which prompts, how long, how long the answers (a registry; a JSONL path also works).
 
-Real prompts come from Spec-Bench / MT-Bench (via ``evals.data.load_prompts``) or a JSONL file. The three
+Real prompts come from Spec-Bench / MT-Bench (via ``runtime.data.load_prompts``) or a JSONL file. The three
 shapes short→short, long→short and short→long cut real prompt text to a target token count (so n-gram
 proposers see natural text, not random ids); ``mix`` interleaves them. Every prompt goes through the chat
-template of instruct models (``specdec.generate.encode_prompt``).
+template of instruct models (``runtime.generate.encode_prompt``).
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from evals.backends.base import Request
-from evals.data import find_data_dir, load_prompts
+from runtime.data import find_data_dir, load_prompts
 from runtime.errors import UserError
-from specdec.generate import encode_prompt
+from runtime.generate import encode_prompt
 
 FALLBACK_TEXT = (  # used for synthetic shapes when no data dir is configured
     "The history of computing is a story of abstraction: from relays to transistors, from machine code to "

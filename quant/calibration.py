@@ -23,11 +23,11 @@ import torch
 from rich.progress import track
 from torch import nn
 
-from evals.data import data_file, read_jsonl
+from runtime.data import data_file, read_jsonl
 from runtime.errors import UserError
 from quant.methods.base import STAT_KINDS, LayerStats
-from specdec.generate import eos_token_ids, encode_prompt
-from specdec.sampling import SamplingConfig, sample_from, logits_to_probs
+from runtime.generate import eos_token_ids, encode_prompt
+from runtime.sampling import SamplingConfig, sample_from, logits_to_probs
 
 WIKITEXT2_VALID = "wikitext2/tokens/valid.txt"
 SELF_PROMPTS = (

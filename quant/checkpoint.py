@@ -6,7 +6,7 @@
 weight_shape`` (or int8 ``weight`` for W8A8), the tokenizer and the generation config. Packing is done by
 compressed-tensors' own compressors. The directory appears atomically (temp dir + rename).
 
-``load_quantized`` (called by ``quant.loading.load_model``) rebuilds the native model with real kernels;
+``load_quantized`` (called by ``runtime.loading.load_model``) rebuilds the native model with real kernels;
 a save/load round trip is bit-exact because checkpoints hold exactly what each kernel exports.
 """
 from __future__ import annotations
@@ -26,11 +26,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runtime.errors import UserError
-from quant.loading import build_model, load_state_dict
+from runtime.loading import CHECKPOINT_FORMATS, build_model, load_state_dict
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
 from quant.scheme import ActSpec, QuantScheme, WeightSpec, parse_scheme
-from specdec.transformer import Transformer
+from quant.w8a8 import set_static_input_scales
+from runtime.transformer import Transformer
 
 HF_PREFIX = "model."
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -190,7 +191,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transf
         model.set_submodule(name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
                                                    scheme.activations, dtype))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
-        from quant.w8a8 import set_static_input_scales
-
         set_static_input_scales(model, scheme.activations, input_scales)
     return model.eval()
+
+
+CHECKPOINT_FORMATS.add("compressed-tensors", load_quantized)

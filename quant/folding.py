@@ -3,7 +3,7 @@
 With ``s`` [in] the consumers compute ``(x / s) @ (W * s)ᵀ == x @ Wᵀ``: the ``1 / s`` goes into the producer
 (an RMSNorm's weight, or a preceding Linear's output rows), the ``s`` into every consumer's input columns.
 The model stays mathematically equivalent in full precision and needs no runtime input scale.
-Producers/consumers of one block of the native Transformer (specdec/transformer.py):
+Producers/consumers of one block of the native Transformer (runtime/transformer.py):
 
 * ``input_layernorm`` -> q_proj, k_proj, v_proj
 * ``post_attention_layernorm`` -> gate_proj, up_proj

@@ -32,6 +32,7 @@ from torch import nn
 
 from quant.actquant import check_scale, make_observer
 from runtime.errors import UserError
+from runtime.transformer import KVCache
 
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -331,7 +332,7 @@ class KVStore:
 
 
 class QuantizedKVCache(nn.Module):
-    """Drop-in for ``specdec.transformer.KVCache``: ``update`` stores K/V quantized, returns them dequantized."""
+    """Drop-in for ``runtime.transformer.KVCache``: ``update`` stores K/V quantized, returns them dequantized."""
 
     def __init__(self, spec: KVQuantSpec, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, static_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)):
@@ -401,8 +402,6 @@ class _ObservingCache(nn.Module):
 
     def __init__(self, spec: KVQuantSpec, observers: tuple, batch, max_len, n_kv_heads, head_dim, dtype):
         super().__init__()
-        from specdec.transformer import KVCache
-
         self.dense = KVCache(batch, max_len, n_kv_heads, head_dim, dtype)
         self.spec, self.observers = spec, observers
 

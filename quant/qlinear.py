@@ -41,7 +41,7 @@ from quant.qmath import dequantize
 from quant.scheme import ActSpec, WeightSpec
 from runtime.errors import UserError
 from runtime.hardware import row_invariance
-from specdec.packed_linear import DensePack
+from runtime.packed_linear import DensePack
 
 FAST_DTYPE = torch.bfloat16
 
@@ -271,5 +271,3 @@ class QuantizedLinear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, {self.spec.label}"
                 f"{'_' + self.act.label if self.act else ''}, kernel={self.kernel_name}")
 
-
-from quant import w8a8  # noqa: E402,F401  (registers the int8xint8 W8A8 kernel; kept last: it imports this module)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import UserError
+from quant.calibration import collect_layer_stats
 from quant.folding import fold_groups, fold_scale
-from specdec.transformer import RMSNorm
+from runtime.transformer import RMSNorm
 
 MIN_SCALE = 1e-5
 
@@ -38,8 +39,6 @@ def check_alpha(alpha: float) -> None:
 @torch.no_grad()
 def apply_smoothquant(lm, alpha: float, batches: list[list[int]]) -> dict:
     """Smooth ``lm.model`` in place from calibration token windows; returns a summary for the report."""
-    from quant.calibration import collect_layer_stats
-
     check_alpha(alpha)
     groups = [g for g in fold_groups(lm.model) if isinstance(g.producer, RMSNorm)]
     first = [next(iter(g.consumers)) for g in groups]

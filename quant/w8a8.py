@@ -123,39 +123,3 @@ def set_static_input_scales(model, act: ActSpec, input_scales: dict[str, torch.T
             raise UserError(f"{name}: {STATIC_NEEDS}")
         layer.act = act
         layer.kernel.set_static_input_scale(act, scale)
-
-
-def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", calib=None,
-                  observer: str = "mse", smoothquant: float | None = None, progress: bool = True):
-    """Quantize ``lm`` in place to a W8A8 scheme; returns Q1's ``QuantReport`` (with this scheme's label).
-
-    Order: SmoothQuant (if ``smoothquant`` = alpha) on the fp model, then static input scales (if the scheme
-    asks for them) observed on the smoothed fp model, then the weight method, then the static switch.
-    ``mse`` is the default observer: on the default model minmax and percentile static scales lose far more
-    (bench/act_quality.py)."""
-    from quant.calibration import CalibConfig, calibration_batches
-    from quant.quantize import quantizable_linears, quantize_model
-    from quant.smoothquant import apply_smoothquant
-
-    scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
-    if scheme.activations is None:
-        raise UserError(f"{scheme.label} has no activation quantization; use W8A8 or a label like w8ch-sym_a8t-static")
-    calib = calib or CalibConfig(samples=32)
-    static = not scheme.activations.dynamic
-    if static and not Int8xInt8Kernel.supports(scheme.weights, scheme.activations, 0, 0):
-        raise UserError(f"{scheme.label}: {STATIC_NEEDS}")
-    batches = calibration_batches(calib, lm) if static or smoothquant is not None else []
-    transform = {}
-    if smoothquant is not None:
-        transform["smoothquant"] = apply_smoothquant(lm, smoothquant, batches)
-    names, _ = quantizable_linears(lm.model, scheme)
-    input_scales = {}
-    if static:
-        token_batches = [torch.tensor([b]) for b in batches]
-        input_scales = calibrate_input_scales(lm.model, token_batches, names, observer)
-    report = quantize_model(lm, dynamic_twin(scheme), method, calib, progress)
-    if static:
-        set_static_input_scales(lm.model, scheme.activations, input_scales)
-        transform["static_input_scales"] = {"observer": observer, "calibration": calib.label}
-    calibration = report.calibration or (calib.label if batches else None)
-    return replace(report, scheme=scheme, transform={**report.transform, **transform}, calibration=calibration)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from runtime.errors import UserError
+
 OVERRIDE_ENV = "QUANTSPEC_CPU_FEATURES"
 FORCEABLE = ("avx2",)
 
@@ -34,8 +36,6 @@ def forced_features() -> str | None:
     """The smaller feature set forced by ``QUANTSPEC_CPU_FEATURES`` (None when the probe reports the truth)."""
     value = os.environ.get(OVERRIDE_ENV, "").strip().lower() or None
     if value is not None and value not in FORCEABLE:
-        from runtime.errors import UserError
-
         raise UserError(f"{OVERRIDE_ENV}={value!r} is not a feature set: use one of {', '.join(FORCEABLE)} "
                         "(or unset it)")
     return value

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from scipy import stats as scipy_stats
 
-from specdec.generate import Decoder
+from runtime.generate import Decoder
 from specdec.metrics import AcceptanceStats
-from specdec.sampling import logits_to_probs
+from runtime.sampling import logits_to_probs
 from specdec.speculative import SpeculativeDecoder
 from specdec.verify import Verdict, verify_sampling
 

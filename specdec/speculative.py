@@ -7,11 +7,11 @@ import time
 import torch
 
 from runtime.errors import UserError
-from quant.loading import LoadedModel
-from specdec.generate import Decoder, GenerationResult
+from runtime.loading import LoadedModel
+from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer, build_proposer
-from specdec.sampling import SamplingConfig, next_token
+from runtime.sampling import SamplingConfig, next_token
 from specdec.verify import verify
 
 MAX_K = 32

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from quant.loading import LoadedModel
-from specdec.generate import Decoder, GenerationResult
+from runtime.loading import LoadedModel
+from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer
-from specdec.sampling import SamplingConfig
+from runtime.sampling import SamplingConfig
 from specdec.speculative import MAX_K, SpeculativeDecoder
 from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
 

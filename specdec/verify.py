@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.proposers.base import Proposal
-from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
+from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
 
 
 @dataclass

@@ -8,7 +8,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from runtime.errors import UserError
-from studies.space import SearchSpace, TrialConfig
+from studies.space import SearchSpace, TrialConfig, serving_config
+from evals.floor import Floor
+from runtime.data import find_data_dir
+from runtime.loading import set_threads
+from runtime.model_store import resolve_model
+from evals.harness import EvalConfig, evaluate
+from evals.backends import open_backend
+from evals.bench_api import run_benchmark
+from evals.loadgen import LoadSpec
 
 
 @dataclass
@@ -117,8 +125,6 @@ class RealEvaluator:
         self._tokens: dict[TrialConfig, list[list[int]]] = {}
 
     def floor_value(self, floor: str) -> float:
-        from evals.floor import Floor
-
         return Floor.parse(floor).value
 
     def describe(self) -> dict:
@@ -127,10 +133,6 @@ class RealEvaluator:
                 "quality_dtype": "bf16", "load": "closed loop, concurrency 1", "threads": self.threads}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
-        from evals.data import find_data_dir
-        from quant.loading import set_threads
-        from quant.model_store import resolve_model
-
         self.floor_value(floor)
         self.floor = floor
         self.data_dir = str(find_data_dir(self.data_dir))
@@ -138,9 +140,6 @@ class RealEvaluator:
         resolve_model(space.model)
 
     def quality(self, config: TrialConfig) -> QualityResult:
-        from evals.floor import Floor
-        from evals.harness import EvalConfig, evaluate
-
         report = evaluate(EvalConfig(
             model=config.model, scheme=None if config.scheme == "none" else config.scheme,
             method=config.method or "rtn", kv=None if config.kv == "none" else config.kv, backend="native",
@@ -161,11 +160,6 @@ class RealEvaluator:
 
     def speed(self, config: TrialConfig) -> SpeedResult:
         import time
-
-        from evals.backends import open_backend
-        from evals.bench_api import run_benchmark
-        from evals.loadgen import LoadSpec
-        from studies.space import serving_config
 
         serving = serving_config(config, threads=self.threads)
         t0 = time.perf_counter()

@@ -10,7 +10,9 @@ import optuna
 from rich.table import Table
 
 from evals.record import write_json_atomic
-from quant.model_store import SMOLLM2, is_default_model
+from runtime.model_store import SMOLLM2, is_default_model
+from runtime.errors import UserError
+from studies.storage import open_storage, shown_url
 
 Q4_1_SCHEME = "w4g32-asym"  # rows of this scheme on the default model carry the Q4_1-origin caveat
 
@@ -240,9 +242,6 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
 
 
 def load_summary(storage_url: str, study_name: str | None) -> StudySummary:
-    from runtime.errors import UserError
-    from studies.storage import open_storage, shown_url
-
     storage = open_storage(storage_url, read_only=True)
     names = optuna.get_all_study_names(storage)
     if study_name is None:

@@ -13,6 +13,15 @@ from typing import Callable
 import yaml
 
 from runtime.errors import UserError
+from quant.scheme import parse_scheme, check_group_fits
+from quant.methods import METHODS
+from runtime.loading import read_config
+from runtime.model_store import resolve_model
+from quant.kvcache import parse_kv_spec, vllm_kv_cache_dtype
+from specdec.proposers import PROPOSERS
+from evals.backends.vllm_engine import speculative_config
+from quant.vllm_support import vllm_support
+from evals.backends.base import ServingConfig
 
 SPACES_DIR = Path(__file__).parent / "spaces"
 BACKENDS = ("native", "vllm")
@@ -193,8 +202,6 @@ def invalid_reason(config: TrialConfig) -> str | None:
 
 @register_check("scheme")
 def _scheme_parses(config: TrialConfig) -> str | None:
-    from quant.scheme import parse_scheme
-
     if config.weights == NONE and config.activations != NONE:
         return f"activation quantization ({config.activations}) needs a weight scheme"
     parse_scheme(config.scheme)
@@ -203,8 +210,6 @@ def _scheme_parses(config: TrialConfig) -> str | None:
 
 @register_check("method")
 def _method_known(config: TrialConfig) -> str | None:
-    from quant.methods import METHODS
-
     if config.method is not None and config.method not in METHODS:
         return f"unknown weight method {config.method!r} (registered: {', '.join(METHODS)})"
     return None
@@ -213,10 +218,6 @@ def _method_known(config: TrialConfig) -> str | None:
 @register_check("group-size")
 def _groups_fit_model(config: TrialConfig) -> str | None:
     """Every quantized Linear's input width must be a multiple of the group size (or the scheme pads)."""
-    from quant.loading import read_config
-    from quant.model_store import resolve_model
-    from quant.scheme import check_group_fits, parse_scheme
-
     scheme = parse_scheme(config.scheme)
     if scheme.weights is None:
         return None
@@ -230,8 +231,6 @@ def _groups_fit_model(config: TrialConfig) -> str | None:
 
 @register_check("kv")
 def _kv_runs(config: TrialConfig) -> str | None:
-    from quant.kvcache import parse_kv_spec, vllm_kv_cache_dtype
-
     parse_kv_spec(config.kv)
     if config.backend == "vllm":
         vllm_kv_cache_dtype(config.kv)
@@ -242,14 +241,10 @@ def _kv_runs(config: TrialConfig) -> str | None:
 def _proposer_runs(config: TrialConfig) -> str | None:
     if not config.speculative:
         return None
-    from specdec.proposers import PROPOSERS
-
     name = config.proposer.partition(":")[0]
     if name not in PROPOSERS:
         return f"unknown proposer {name!r} (registered: {', '.join(sorted(PROPOSERS))})"
     if config.backend == "vllm":
-        from evals.backends.vllm_engine import speculative_config
-
         speculative_config(serving_config(config))
     return None
 
@@ -257,16 +252,12 @@ def _proposer_runs(config: TrialConfig) -> str | None:
 @register_check("vllm-scheme")
 def _vllm_runs_scheme(config: TrialConfig) -> str | None:
     if config.backend == "vllm":
-        from quant.vllm_support import vllm_support
-
         vllm_support(config.scheme)
     return None
 
 
 def serving_config(config: TrialConfig, **extra):
     """The benchmark harness's ``ServingConfig`` for a trial point."""
-    from evals.backends.base import ServingConfig
-
     return ServingConfig(model=config.model, scheme=config.scheme, method=config.method or "rtn", kv=config.kv,
                          spec=config.proposer if config.speculative else None, backend=config.backend,
                          **({"k": config.k} if config.k else {}), **extra)

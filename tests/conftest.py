@@ -49,7 +49,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from quant.model_store import fetch_default_model
+    from runtime.model_store import fetch_default_model
 
     return fetch_default_model(log=lambda *_: None)
 
@@ -102,7 +102,7 @@ NO_DATA = "no eval data dir (../shared/data beside the checkout, or QUANTSPEC_DA
 
 
 def require_data_dir() -> Path:
-    from evals.data import find_data_dir
+    from runtime.data import find_data_dir
 
     path = find_data_dir(None, required=False)
     if path is None:

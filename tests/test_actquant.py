@@ -9,12 +9,13 @@ from quant.actquant import (calibrate_input_scales, check_scale, make_observer, 
                             quantize_per_token)
 from quant.calibration import CalibConfig
 from runtime.errors import UserError
-from quant.loading import load_model
+from runtime.loading import load_model
 from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
 from quant.scheme import ActSpec, parse_scheme
 from quant.smoothquant import apply_smoothquant, smoothing_scale
-from quant.w8a8 import Int8xInt8Kernel, quantize_w8a8
+from quant.quantize import quantize_w8a8
+from quant.w8a8 import Int8xInt8Kernel
 
 
 def test_dynamic_per_token_matches_formula():

@@ -10,9 +10,9 @@ from evals.backends import BACKENDS, open_backend
 from evals.backends.base import Request, ServingConfig
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
-from quant.loading import load_model
+from runtime.loading import load_model
 from runtime.errors import UserError
-from studies.cli import main
+from quantspec.cli import main
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -180,7 +180,7 @@ def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
 @pytest.mark.integration
 def test_native_end_to_end_default_model():
     """bf16 and ngram K=4 on the real model, short workload, one engine per config."""
-    from studies.cmd_bench import run_sweep
+    from quantspec.cli.cmd_bench import run_sweep
     from evals.serving_metrics import SLO
 
     config = ServingConfig(spec="ngram:min=2,max=4", k=4)

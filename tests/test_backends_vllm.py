@@ -72,7 +72,7 @@ def test_server_open_loop_then_crash_mid_run(default_model_dir):
 
 
 def test_engine_start_failure_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "studies.cli", "bench", "--backend", "vllm", "-n", "1",
+    proc = subprocess.run([sys.executable, "-m", "quantspec.cli", "bench", "--backend", "vllm", "-n", "1",
                            "--max-model-len", "10000000"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -8,7 +8,7 @@ import torch
 
 from quant.calibration import CalibConfig, calibration_batches, collect_layer_stats
 from runtime.errors import UserError
-from quant.loading import load_model
+from runtime.loading import load_model
 
 
 @pytest.fixture(scope="module")

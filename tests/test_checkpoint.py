@@ -9,10 +9,10 @@ from safetensors import safe_open
 from quant import checkpoint
 from quant.checkpoint import ct_scheme, save_compressed
 from runtime.errors import UserError
-from quant.loading import load_model
+from runtime.loading import load_model
 from quant.qlinear import QuantizedLinear
 from quant.quantize import quantize_model
-from specdec.generate import Decoder
+from runtime.generate import Decoder
 
 IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]
 

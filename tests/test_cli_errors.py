@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-QUANTSPEC = [sys.executable, "-m", "studies.cli"]
+QUANTSPEC = [sys.executable, "-m", "quantspec.cli"]
 
 
 def run_cli(*args, env=None):
@@ -57,7 +57,7 @@ def test_bad_temperature(tiny_llama_dir):
 
 
 def test_missing_data_dir(tmp_path):
-    from evals.data import find_data_dir
+    from runtime.data import find_data_dir
     from runtime.errors import UserError
 
     with pytest.raises(UserError, match="does not exist"):

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from quant.loading import load_model
-from quant.model_store import SMOLLM2, fetch_default_model
-from specdec.generate import Decoder, encode_prompt
+from runtime.loading import load_model
+from runtime.model_store import SMOLLM2, fetch_default_model
+from runtime.generate import Decoder, encode_prompt
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_model_info_prints_q4_1_caveat(default_model_dir):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "studies.cli", "model", "info", "default"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "quantspec.cli", "model", "info", "default"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "134.5 M" in proc.stdout and "Q4_1" in proc.stdout
@@ -56,7 +56,7 @@ def test_model_fetch_command_is_idempotent(default_model_dir):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "studies.cli", "model", "fetch"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "quantspec.cli", "model", "fetch"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert str(default_model_dir) in proc.stdout.replace("\n", "")

@@ -45,9 +45,9 @@ def test_quantized_eval_reports_and_caches(home, tiny_llama_dir):
 
 def test_fidelity_ppl_matches_perplexity_module(home, tiny_llama_dir):
     from evals.fidelity import wikitext_fidelity
-    from evals.data import data_file
+    from runtime.data import data_file
     from evals.perplexity import WIKITEXT2_TEST, perplexity_of_text
-    from quant.loading import load_model
+    from runtime.loading import load_model
 
     lm = load_model(tiny_llama_dir)
     stats = wikitext_fidelity(lm, lm, None, ctx=64, max_windows=2)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 
 def _run(args, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "QUANTSPEC_EVAL_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "studies.cli", "eval", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "quantspec.cli", "eval", *args], capture_output=True, text=True,
                           env=env, timeout=900)
 
 

@@ -38,7 +38,7 @@ def test_shared_prefix_is_not_recomputed(lms):
 
 
 def test_prefix_scorer_matches_fresh_forward(tiny_llama_dir):
-    from quant.loading import load_model
+    from runtime.loading import load_model
 
     lm = load_model(tiny_llama_dir)
     a, b = list(range(5, 40)), list(range(5, 30)) + [77, 78, 79]

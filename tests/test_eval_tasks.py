@@ -46,7 +46,7 @@ def test_known_items(tasks):
 
 
 def test_gold_labels_match_the_label_files(tasks):
-    from evals.data import data_file
+    from runtime.data import data_file
 
     labels = data_file("winogrande/dev-labels.lst").read_text().split()
     wg = tasks["winogrande"]

@@ -64,7 +64,7 @@ def test_row_invariance_probe_and_its_negative_controls():
 
 
 def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
-    from specdec.packed_linear import PackedLinear
+    from runtime.packed_linear import PackedLinear
 
     torch.manual_seed(0)
     layer = PackedLinear(576, 96, bias=False).to(torch.bfloat16)
@@ -83,8 +83,8 @@ def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
 
 
 def test_bf16_speculation_is_exact_or_refused_on_the_fallback(forced_avx2, tiny_llama_dir):
-    from quant.loading import load_model
-    from specdec.generate import Decoder
+    from runtime.loading import load_model
+    from runtime.generate import Decoder
     from specdec.speculative import SpeculativeDecoder, variant_kernels
 
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
@@ -122,7 +122,7 @@ def test_negative_control_fp32_product_without_blocks_is_not_exact():
 
 def test_w8a8_kernel_takes_the_exact_fallback_under_the_override(forced_avx2, tiny_llama_dir):
     from quant.actquant import quantize_activation
-    from quant.loading import load_model
+    from runtime.loading import load_model
     from quant.quantize import quantize_model
 
     lm = load_model(str(tiny_llama_dir), "bf16")
@@ -164,7 +164,7 @@ def test_commands_under_the_override_work_or_refuse_in_one_line(default_model_di
 
 def test_bitwise_verification_test_skips_only_where_rows_are_not_invariant(tiny_llama_dir):
     """``require_bf16_exact`` is how exactness tests skip: it must pass through where kernels are invariant."""
-    from quant.loading import load_model
+    from runtime.loading import load_model
 
     from specdec.speculative import variant_kernels
 
@@ -178,7 +178,7 @@ def test_bitwise_verification_test_skips_only_where_rows_are_not_invariant(tiny_
 
 def test_negative_control_a_variant_kernel_refuses_bf16_speculation(tiny_llama_dir):
     """One layer whose kernel is reported not batch-invariant is enough for a one-line refusal."""
-    from quant.loading import load_model
+    from runtime.loading import load_model
     from specdec.speculative import SpeculativeDecoder
 
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")

@@ -5,9 +5,9 @@ import torch
 from runtime.errors import UserError
 from quant.kvcache import (KVQuantSpec, KVTensorSpec, QuantizedKVCache, calibrate_kv_scales, make_cache_factory,
                            parse_kv_spec, vllm_kv_cache_dtype)
-from quant.loading import load_model
-from specdec.generate import Decoder
-from specdec.transformer import KVCache
+from runtime.loading import load_model
+from runtime.generate import Decoder
+from runtime.transformer import KVCache
 
 B, H, D = 2, 3, 64
 

@@ -7,12 +7,12 @@ import torch
 from quant.calibration import collect_layer_stats
 from runtime.errors import UserError
 from quant.folding import FoldGroup, fold_groups, fold_scale
-from quant.loading import load_model
+from runtime.loading import load_model
 from quant.methods import LayerStats, get_method
 from quant.methods.awq import search_scale
 from quant.qmath import dequantize, fake_quantize, group_view
 from quant.scheme import WeightSpec
-from specdec.transformer import RMSNorm
+from runtime.transformer import RMSNorm
 
 SPECS = [WeightSpec(4, True, "group", 32), WeightSpec(3, True, "group", 32), WeightSpec(4, False, "group", 64),
          WeightSpec(4, True, "channel", None)]

@@ -8,7 +8,7 @@ import torch
 
 from evals.perplexity import Window, windows, wikitext2_perplexity
 from runtime.errors import UserError
-from quant.loading import load_model
+from runtime.loading import load_model
 
 TEXT = " = Robert Boulter = \n \n Robert Boulter is an English film , television and theatre actor . \n" * 6
 

@@ -35,7 +35,7 @@ def test_support_table():
 
 def export(default_model_dir, scheme, out):
     from quant.checkpoint import save_compressed
-    from quant.loading import load_model
+    from runtime.loading import load_model
     from quant.quantize import quantize_model
 
     lm = load_model(str(default_model_dir), "bf16")

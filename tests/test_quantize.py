@@ -6,13 +6,13 @@ import torch
 
 from conftest import make_tiny_llama
 from runtime.errors import UserError
-from quant.loading import load_model
+from runtime.loading import load_model
 from quant.methods import METHODS, LayerStats, WeightMethod, register_method
 from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
 from quant.quantize import quantize_model
-from specdec.generate import Decoder
-from studies.cli import main as cli_main
+from runtime.generate import Decoder
+from quantspec.cli import main as cli_main
 from test_cli_errors import assert_one_line_error, run_cli
 
 IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]

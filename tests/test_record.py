@@ -6,7 +6,7 @@ import pytest
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info, write_json_atomic)
 from evals.roofline import decode_bytes_per_token
-from quant.loading import load_model
+from runtime.loading import load_model
 
 
 def make_record():

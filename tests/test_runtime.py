@@ -5,9 +5,9 @@ import torch.nn.functional as F
 
 from conftest import require_bf16_exact
 from runtime.errors import UserError
-from quant.loading import load_model
-from specdec.generate import Decoder
-from specdec.sampling import SamplingConfig, logits_to_probs
+from runtime.loading import load_model
+from runtime.generate import Decoder
+from runtime.sampling import SamplingConfig, logits_to_probs
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_bf16_load(tiny_llama_dir):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_packed_linear_matches_linear_and_repacks_after_in_place_edit(dtype, atol):
-    from specdec.packed_linear import PackedLinear
+    from runtime.packed_linear import PackedLinear
 
     torch.manual_seed(0)
     layer = PackedLinear(64, 96, bias=True).to(dtype)
@@ -158,7 +158,7 @@ def test_bf16_verify_rows_equal_one_at_a_time_decoding_bitwise(wide_bf16, histor
 @pytest.mark.parametrize("history", [40, 1016, 2045])
 def test_eager_attention_rows_do_not_depend_on_the_other_queries(history):
     """Also where a verification's keys cross the 1024-key block that a lone query's keys do not."""
-    from specdec.transformer import batch_invariant_attention
+    from runtime.transformer import batch_invariant_attention
 
     g = torch.Generator().manual_seed(1)
     n_q, n = 9, history + 9

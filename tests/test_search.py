@@ -227,7 +227,7 @@ def test_pareto_mode_table_and_exports(tmp_path, tiny_llama_dir):
 
 
 def test_q4_1_caveat_on_default_model_rows(tmp_path):
-    from quant.model_store import SMOLLM2
+    from runtime.model_store import SMOLLM2
 
     study = optuna.create_study(directions=["maximize"])
     study.set_user_attr("reference", TrialConfig().to_dict())
@@ -247,7 +247,7 @@ WORKER = f"""
 import sys
 sys.path.insert(0, {str(TESTS)!r})
 import test_search  # registers the toy evaluator
-from studies.cli import main
+from quantspec.cli import main
 main(sys.argv[1:])
 """
 

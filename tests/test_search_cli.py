@@ -1,7 +1,7 @@
 """`quantspec search` / `quantspec pareto` bad input: one `error:` line, exit code 2, no traceback."""
 import pytest
 
-from studies.cli import main
+from quantspec.cli import main
 from studies.storage import open_storage
 from test_cli_errors import assert_one_line_error, run_cli
 

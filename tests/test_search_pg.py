@@ -6,7 +6,7 @@ import sys
 import optuna
 import pytest
 
-from studies.cli import main
+from quantspec.cli import main
 from test_search import ToyEvaluator, settings, toy_space
 from test_search_cli import cli_error
 from studies.search import run_search

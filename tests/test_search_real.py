@@ -3,7 +3,7 @@ quality via evals.evaluate, the greedy-equality check of a speculative trial, an
 import pytest
 
 from conftest import bf16_speculation_refusal
-from quant.loading import load_model
+from runtime.loading import load_model
 from studies.objective import get_evaluator
 from studies.pareto import footer_lines, summarize
 from studies.search import SearchSettings, open_study, run_search

@@ -11,14 +11,14 @@ from scipy import stats as scipy_stats
 
 from conftest import make_tiny_llama, require_bf16_exact
 from runtime.errors import UserError
-from quant.loading import load_model
-from specdec.generate import Decoder
+from runtime.loading import load_model
+from runtime.generate import Decoder
 from specdec.lossless import Chain, acceptance_test, bonus_test, compare_to_reference, first_step_test, joint_test
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import build_proposer
 from specdec.proposers.draft import DraftModelProposer
 from specdec.proposers.ngram import lookup
-from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
+from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
 from specdec.speculative import SpeculativeDecoder
 from specdec.theory import best_k, expected_tokens, operations_factor, walltime_speedup
 from specdec.verify import Verdict
@@ -402,7 +402,7 @@ def test_bad_proposer_specs(target, tmp_path):
 ])
 @pytest.mark.data
 def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
-    from studies.cli import main
+    from quantspec.cli import main
 
     base = ["accept", "--target", str(tiny_llama_dir), "--draft", "ngram", "--prompts", "mt_bench", "--dtype", "fp32"]
     with pytest.raises(SystemExit) as exc:
@@ -414,7 +414,7 @@ def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
 
 @pytest.mark.data
 def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
-    from studies.cli import main
+    from quantspec.cli import main
 
     other = make_tiny_llama(tmp_path / "v96", seed=2, vocab_size=96)
     with pytest.raises(SystemExit) as exc:
@@ -423,7 +423,7 @@ def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
 
 
 def run_cli(args):
-    from studies.cli import main
+    from quantspec.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -504,7 +504,7 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
 
 
 def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
-    from studies.cmd_specdec import measure_acceptance
+    from quantspec.cli.cmd_specdec import measure_acceptance
 
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
     require_bf16_exact(lm)
@@ -520,7 +520,7 @@ def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
 
 
 def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
-    from studies.cmd_specdec import measure_acceptance, output_length
+    from quantspec.cli.cmd_specdec import measure_acceptance, output_length
 
     eos = target.tokenizer.eos_token_id
     stops = replace(target, model=copy.deepcopy(target.model))

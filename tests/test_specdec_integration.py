@@ -2,9 +2,9 @@
 import pytest
 
 from conftest import require_bf16_exact
-from evals.data import load_prompts
-from quant.loading import load_model
-from specdec.generate import Decoder, encode_prompt
+from runtime.data import load_prompts
+from runtime.loading import load_model
+from runtime.generate import Decoder, encode_prompt
 from specdec.speculative import SpeculativeDecoder
 from test_specdec import one_thread  # noqa: F401  (autouse: one torch thread, restored afterwards)
 
@@ -34,7 +34,7 @@ def test_negative_control_unaligned_keys_break_exactness_on_default_model(defaul
     """A verification chunk over 150 keys and a lone query over 146 summed the same row in another order on AMX
     (found on Spec-Bench prompt 3 after 58 greedy tokens): aligned key counts make them equal; unaligned, the
     same check finds the differing rows."""
-    from specdec import transformer
+    from runtime import transformer
     from runtime.hardware import probe
     from test_runtime import rows_differing_from_one_at_a_time
 

@@ -5,7 +5,7 @@ import pytest
 
 from evals.workloads import WORKLOADS, build_requests
 from runtime.errors import UserError
-from quant.loading import load_tokenizer
+from runtime.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,12 @@ from evals.backends.base import (Backend, Progress, Request, RequestResult, Serv
                                  check_fits, now, register_backend)
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
-from specdec.generate import Decoder
-from specdec.sampling import SamplingConfig
+from runtime.generate import Decoder
+from runtime.sampling import SamplingConfig
+from runtime.loading import load_model
+from quant.quantize import quantize_fresh
+from quant.kvcache import make_cache_factory
+from specdec.speculative import SpeculativeDecoder
 
 
 @register_backend("native")
@@ -27,8 +31,6 @@ class NativeBackend(Backend):
 
     def __init__(self, config: ServingConfig):
         super().__init__(config)
-        from quant.loading import load_model
-
         self.lm = load_model(config.model, "bf16", config.threads, "eager")  # batch-invariant: exact speculation
         self.quant_report = None
         self.scheme_info = self._quantize()
@@ -39,21 +41,15 @@ class NativeBackend(Backend):
     def _quantize(self) -> str:
         if self.config.scheme == "none":
             return "bf16"
-        from quant.quantize import quantize_fresh
-
         self.quant_report = quantize_fresh(self.lm, self.config.scheme, self.config.method, progress=False)
         return self.quant_report.scheme.label
 
     def _decoder(self):
-        from quant.kvcache import make_cache_factory
-
         cache_factory = make_cache_factory(self.config.kv)
         if not self.config.speculative:
             return Decoder(self.lm, self.config.max_model_len, cache_factory)
         if cache_factory is not None:
             raise UserError(f"native speculative decoding keeps a bf16 KV cache; drop --kv {self.config.kv} or --spec")
-        from specdec.speculative import SpeculativeDecoder
-
         return SpeculativeDecoder(self.lm, self.config.spec, self.config.k, self.sampling, self.config.max_model_len)
 
     def _generate(self, request: Request):

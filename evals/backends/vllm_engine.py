@@ -17,13 +17,20 @@ from pathlib import Path
 
 from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
                                  SpecCounters, check_fits, now, register_backend)
+from evals.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
+from specdec.proposers.ngram import NgramProposer
+from runtime.model_store import resolve_model, weights_hash
+from quant.kvcache import vllm_kv_cache_dtype
+from quant.vllm_support import vllm_support
+from quant.checkpoint import save_compressed
+from runtime.loading import load_model, load_tokenizer
+from runtime.hardware import quantspec_home
+from quant.quantize import quantize_model
+from quant.scheme import parse_scheme
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
-SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                "vllm:spec_decode_num_accepted_tokens": "accepted"}
-PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def set_engine_env() -> None:
@@ -50,14 +57,10 @@ def speculative_config(config: ServingConfig) -> dict | None:
                         f"{config.temperature} would measure nothing useful; use --temperature 0 or --backend native")
     name, _, arg = config.spec.partition(":")
     if name == "ngram":
-        from specdec.proposers.ngram import NgramProposer
-
         ngram = NgramProposer.from_spec(arg, None)
         return {"method": "ngram", "num_speculative_tokens": config.k, "prompt_lookup_max": ngram.max_n,
                 "prompt_lookup_min": ngram.min_n}
     if name == "draft" and "@" not in arg:
-        from quant.model_store import resolve_model
-
         return {"method": "draft_model", "model": str(resolve_model(arg)), "num_speculative_tokens": config.k}
     raise UserError(f"vLLM cannot run proposer {config.spec!r} here: it runs ngram[:min=..,max=..] and "
                     "draft:PATH (unquantized); use --backend native")
@@ -65,16 +68,12 @@ def speculative_config(config: ServingConfig) -> dict | None:
 
 def engine_kwargs(config: ServingConfig) -> dict:
     """Everything passed to ``vllm.LLM`` / ``vllm serve`` for this configuration."""
-    from quant.model_store import resolve_model
-
     kwargs = {"model": str(resolve_model(config.model)), "dtype": "bfloat16", "enforce_eager": True,
               "max_model_len": config.max_model_len, "disable_log_stats": False, "seed": 0}
     if config.scheme != "none":
         check_scheme(config)
         kwargs["model"] = str(exported_checkpoint(config))
         kwargs["quantization"] = "compressed-tensors"
-    from quant.kvcache import vllm_kv_cache_dtype
-
     if vllm_kv_cache_dtype(config.kv) != "auto":
         kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(config.kv)
     spec = speculative_config(config)
@@ -85,8 +84,6 @@ def engine_kwargs(config: ServingConfig) -> dict:
 
 def check_scheme(config: ServingConfig) -> str:
     """The vLLM CPU kernel for the config's scheme (UserError when there is none, e.g. W8A16)."""
-    from quant.vllm_support import vllm_support
-
     return vllm_support(config.scheme)
 
 
@@ -95,13 +92,6 @@ def exported_checkpoint(config: ServingConfig) -> Path:
 
     The model is quantized from its bf16 weights, exactly as the native backend does, so both backends
     serve the same integer weights."""
-    from quant.checkpoint import save_compressed
-    from quant.loading import load_model
-    from quant.model_store import resolve_model, weights_hash
-    from runtime.hardware import quantspec_home
-    from quant.quantize import quantize_model
-    from quant.scheme import parse_scheme
-
     scheme = parse_scheme(config.scheme)
     source = resolve_model(config.model)
     target = quantspec_home() / "exports" / f"{weights_hash(source)}-{scheme.label}-{config.method}"
@@ -168,8 +158,6 @@ class VllmBackend(Backend):
 
     @classmethod
     def check(cls, config: ServingConfig) -> None:
-        from quant.kvcache import vllm_kv_cache_dtype
-
         require_vllm()
         speculative_config(config)
         vllm_kv_cache_dtype(config.kv)
@@ -196,16 +184,12 @@ class VllmBackend(Backend):
     @property
     def server(self):
         if self._server is None:
-            from evals.backends.vllm_server import VllmServer
-
             self._server = VllmServer(self.kwargs, self.config.port)
             self._server.start()
         return self._server
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from quant.loading import load_tokenizer
-
             self._tokenizer = load_tokenizer(Path(self.kwargs["model"]))
         return self._tokenizer
 

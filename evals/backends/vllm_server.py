@@ -25,6 +25,10 @@ from runtime.errors import UserError
 
 START_TIMEOUT_S = float(os.environ.get("QUANTSPEC_VLLM_START_TIMEOUT", 600))
 REQUEST_TIMEOUT_S = 600.0
+# vLLM Prometheus counter -> SpecCounters field
+SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens": "accepted"}
+PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 SKIP_ARGS = ("model", "disable_log_stats")  # positional / the server logs stats by default
 
 
@@ -205,8 +209,6 @@ class VllmServer:
         """The server's spec-decode counters from its Prometheus ``/metrics``."""
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
-
-        from evals.backends.vllm_engine import PER_POS_METRIC, SPEC_METRICS
 
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out = SpecCounters()

@@ -15,7 +15,7 @@ import datasets
 # WikiText scoring is upstream's, re-exported so the YAML's !function resolves inside this folder.
 from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401
 
-from evals.data import data_file, read_jsonl
+from runtime.data import data_file, read_jsonl
 
 
 def _path(relative: str, data_dir: str | None) -> Path:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import UserError
-from quant.loading import LoadedModel
-from specdec.sampling import SamplingConfig, logits_to_probs, sample_from
+from runtime.loading import LoadedModel
+from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
 
 
 @dataclass

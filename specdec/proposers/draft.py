@@ -6,9 +6,10 @@ import copy
 from dataclasses import replace
 
 from runtime.errors import UserError
-from quant.loading import LoadedModel, load_model
-from specdec.generate import Decoder
+from runtime.loading import LoadedModel, load_model
+from runtime.generate import Decoder
 from specdec.proposers.base import AutoregressiveDraft, register_proposer
+from quant.quantize import quantize_model
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -21,8 +22,6 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 
 def quantize_copy(lm: LoadedModel, scheme_text: str, method: str) -> LoadedModel:
     """A quantized copy of ``lm`` (``quant.quantize.quantize_model`` on a deep copy; ``lm`` stays intact)."""
-    from quant.quantize import quantize_model
-
     twin = replace(lm, model=copy.deepcopy(lm.model))
     quantize_model(twin, scheme_text, method, progress=False)
     return twin

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.record import write_json_atomic
-from studies.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, app
 
 console = Console()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from runtime.errors import UserError
-from quant.loading import LoadedModel
-from specdec.sampling import SamplingConfig, next_token
+from runtime.loading import LoadedModel
+from runtime.sampling import SamplingConfig, next_token
 
 
 @dataclass

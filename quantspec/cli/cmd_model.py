@@ -5,9 +5,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from quant.loading import read_config
-from quant.model_store import SMOLLM2, fetch_default_model, is_default_model, resolve_model
-from studies.app import model_app
+from runtime.loading import read_config
+from runtime.model_store import SMOLLM2, fetch_default_model, is_default_model, resolve_model, weights_hash
+from quantspec.cli.app import model_app
+from quant.sizing import weight_bytes_by_format
 
 
 @model_app.command("fetch")
@@ -19,9 +20,6 @@ def fetch(force: bool = typer.Option(False, help="Re-download and re-convert eve
 @model_app.command("info")
 def info(model: str = typer.Argument("default", help="`default`, a local HF dir, or a hub id.")):
     """Architecture, parameter count and bytes per weight format."""
-    from quant.model_store import weights_hash
-    from quant.sizing import weight_bytes_by_format
-
     path = resolve_model(model)
     config = read_config(path)
     sizes = weight_bytes_by_format(config)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 from runtime.errors import UserError
-from studies.app import app
-from studies import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant  # noqa: F401  (register commands)
+from quantspec.cli.app import app
+from quantspec.cli import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant  # noqa: F401  (register commands)
 
 
 def main(argv: list[str] | None = None) -> None:

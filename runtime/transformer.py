@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.packed_linear import PackedLinear
+from runtime.packed_linear import PackedLinear
+from runtime.registry import Registry
 
 
 @dataclass
@@ -108,17 +109,10 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-ATTENTION = {}  # attn_implementation name -> fn(q, k, v, mask) on [batch, heads, len, head_dim]
+ATTENTION: Registry = Registry("attention")  # name -> fn(q, k, v, mask) on [batch, heads, len, head_dim]
 
 
-def register_attention(name: str):
-    def register(fn):
-        ATTENTION[name] = fn
-        return fn
-    return register
-
-
-@register_attention("sdpa")
+@ATTENTION.register("sdpa")
 def sdpa_attention(q, k, v, mask):
     """Torch's fused kernel: fastest for one query over a short history, but in bf16 its one-query and
     many-query paths round differently, so a verified token's logits differ from its decoded ones."""
@@ -132,7 +126,7 @@ KEY_BLOCK = 1024  # bf16 matmuls sum more than 1024 terms in another order: p @ 
 KEY_ALIGN: dict[str, int] = {"eager": 64}
 
 
-@register_attention("eager")
+@ATTENTION.register("eager")
 def batch_invariant_attention(q, k, v, mask):
     """HF-style eager attention (bf16 matmuls, fp32 softmax) whose output for a query does not depend on how
     many queries run with it, so in bf16 verifying K+1 tokens gives bitwise the rows that decoding them one by
@@ -221,7 +215,7 @@ class Transformer(nn.Module):
             mask = key_pos[None, :] <= input_pos[:, None]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
-        attend = ATTENTION[self.attn_implementation]
+        attend = ATTENTION.get(self.attn_implementation)
         for layer in self.layers[:depth]:
             x = layer(x, cos, sin, input_pos, mask, length, attend)
         return self.lm_head(self.norm(x))

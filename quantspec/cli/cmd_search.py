@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runtime.errors import UserError
-from studies.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, app
 from studies.objective import get_evaluator
 from studies.pareto import StudySummary, footer_lines, load_summary, rich_table, summarize, write_csv, write_json, write_png
 from studies.search import DEFAULT_STUDY_DIR, SearchSettings, finished_trials, run_search

@@ -5,11 +5,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from quant.loading import load_model
-from specdec.generate import Decoder, encode_prompt
-from specdec.sampling import SamplingConfig
+from runtime.loading import load_model
+from runtime.generate import Decoder, encode_prompt
+from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
-from studies.app import app
+from quantspec.cli.app import app
+from evals.decode_speed import compare_decode
+from quantspec.cli.cmd_search import demo_search
 
 console = Console()
 
@@ -71,13 +73,9 @@ def demo(
 ):
     """The main job on the default model: answer a question, native vs HF decode speed, then a small
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
-    from evals.decode_speed import compare_decode
-
     answer("What is the capital of France?", max_new_tokens=32)
     record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=2)
     print_decode_comparison(record)
     record.write(out)
     console.print(f"run record: {out}")
-    from studies.cmd_search import demo_search
-
     demo_search()

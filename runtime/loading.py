@@ -9,10 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.errors import UserError
-from quant.model_store import resolve_model
-from specdec.transformer import ATTENTION, ModelArgs, Transformer
+from runtime.model_store import resolve_model
+from runtime.registry import Registry
+from runtime.transformer import ATTENTION, ModelArgs, Transformer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# quantization_config["quant_method"] -> fn(path, config, dtype) -> Transformer; quant/ registers its formats.
+CHECKPOINT_FORMATS: Registry = Registry("checkpoint format (import quant to register compressed-tensors)")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -27,6 +30,11 @@ class LoadedModel:
     @property
     def precision(self) -> str:
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+
+
+def checkpoint_loader(config: dict):
+    """The loader registered for a quantized checkpoint's ``quant_method``."""
+    return CHECKPOINT_FORMATS.get(config["quantization_config"].get("quant_method", "compressed-tensors"))
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -93,16 +101,13 @@ def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int
                attn_implementation: str = "sdpa") -> LoadedModel:
     """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding. ``attn_implementation``
     "eager" makes bf16 rows batch-invariant (token-exact greedy speculation); "sdpa" is faster on short histories."""
-    if attn_implementation not in ATTENTION:
-        raise UserError(f"unknown attention {attn_implementation!r}: pick one of {', '.join(ATTENTION)}")
+    ATTENTION.get(attn_implementation)  # an unknown name fails here, before anything loads
     set_threads(threads)
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     path = resolve_model(name)
     config = read_config(path)
     if "quantization_config" in config:
-        from quant.checkpoint import load_quantized  # compressed-tensors checkpoints (quant/)
-
-        model = load_quantized(path, config, torch_dtype)
+        model = checkpoint_loader(config)(path, config, torch_dtype)
     else:
         model = build_model(config, load_state_dict(path), torch_dtype)
     model.attn_implementation = attn_implementation

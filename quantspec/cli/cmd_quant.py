@@ -13,13 +13,16 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from runtime.errors import UserError
 from runtime.hardware import hardware_line
-from quant.loading import LoadedModel, load_model
+from runtime.loading import LoadedModel, load_model
 from quant.methods import get_method
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.scheme import WeightSpec, parse_scheme
-from specdec.generate import Decoder, encode_prompt
-from specdec.sampling import SamplingConfig
-from studies.app import DataDirOption, app
+from runtime.generate import Decoder, encode_prompt
+from runtime.sampling import SamplingConfig
+from quantspec.cli.app import DataDirOption, app
+from quant.calibration import CalibConfig
+from quant.checkpoint import save_compressed
+from quant.quantize import plan_layers, quantize_model
 
 console = Console()
 FIDELITY_PROMPTS = ("What is the capital of France?", "Explain why the sky is blue in two sentences.",
@@ -106,10 +109,6 @@ def quantize(
     data_dir: str = DataDirOption,
 ):
     """Quantize MODEL's Linear layers, print size, time, kernels and fidelity, optionally export."""
-    from quant.calibration import CalibConfig
-    from quant.checkpoint import save_compressed
-    from quant.quantize import plan_layers, quantize_model
-
     parsed = parse_scheme(scheme)
     weight_method = get_method(method)
     calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, data_dir=data_dir)

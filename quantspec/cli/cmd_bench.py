@@ -11,7 +11,12 @@ from rich.table import Table
 from evals.record import write_json_atomic
 from runtime.errors import UserError
 from runtime.hardware import hardware_line
-from studies.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, app
+from evals.loadgen import LoadSpec
+from evals.backends import backend_class, open_backend
+from evals.backends.base import ServingConfig, split_k
+from evals.serving_metrics import SLO
+from evals.bench_api import run_benchmark
 
 console = Console()
 if not console.is_terminal:
@@ -28,8 +33,6 @@ def parse_levels(text: str | None, cast, name: str) -> list:
 
 
 def load_specs(concurrency: str | None, rate: str | None, burstiness: float) -> list:
-    from evals.loadgen import LoadSpec
-
     if concurrency and rate:
         raise UserError("pass either --concurrency (closed loop) or --rate (open loop), not both")
     rates = parse_levels(rate, float, "--rate")
@@ -102,10 +105,6 @@ def bench(
     data_dir: str = DataDirOption,
 ):
     """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
-    from evals.backends import backend_class
-    from evals.backends.base import ServingConfig, split_k
-    from evals.serving_metrics import SLO
-
     loads = load_specs(concurrency, rate, burstiness)
     spec, k_in_spec = split_k(spec)
     config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k_in_spec or k,
@@ -133,9 +132,6 @@ def run_sweep(configs: list, loads: list, workload: str, num_prompts: int, outpu
               ignore_eos: bool, data_dir, slo) -> list:
     """Every config at every load, one engine per config reused across loads; speculative configs get the
     matching no-speculation run as baseline. Stops at the first failed measurement."""
-    from evals.backends import open_backend
-    from evals.bench_api import run_benchmark
-
     runs, baselines = [], {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:

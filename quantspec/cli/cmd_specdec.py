@@ -10,21 +10,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from evals.data import load_prompts
+from runtime.data import load_prompts
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from runtime.errors import UserError
-from quant.loading import LoadedModel, load_model
-from quant.model_store import SMOLLM2, is_default_model, weights_hash
-from specdec.generate import encode_prompt
+from runtime.loading import LoadedModel, load_model
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.generate import encode_prompt
 from specdec.lossless import (ALPHA, AcceptanceTest, Chain, DistributionTest, FirstStepTest, JointTest, bonus_test,
                               first_step_test, greedy_mismatches, joint_test)
 from specdec.proposers import Proposer, build_proposer
-from specdec.sampling import SamplingConfig
+from runtime.sampling import SamplingConfig
 from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
 from specdec.sweep import SweepResult, run_sweep
 from specdec.theory import best_k
-from studies.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, app
 
 console = Console(width=max(Console().width, 120))
 

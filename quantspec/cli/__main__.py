@@ -1,0 +1,4 @@
+"""``python -m quantspec.cli``."""
+from quantspec.cli import main
+
+main()
