@@ -374,6 +374,10 @@ def render_sweeps(d: dict) -> str:
             head += (f"; {len(ended)} of {len(b['ended'])} answers ended by themselves "
                      f"({min(ended)}-{max(ended)} tokens)" if ended else "; no answer ended by itself")
         rows = s["rows"]
+        best = max(rows, key=lambda r: r["speedup"])
+        head += f"; highest speedup {num(best['speedup'])}x at K={best['k']}"
+        if s.get("load_average_after"):
+            head += f"; load average after the sweep {' / '.join(num(x, 1) for x in s['load_average_after'])}"
         cols = [c for c in SWEEP_COLS if any(c[1] in r for r in rows)]
         body = [[c[2](r[c[1]]) if c[1] in r else "–" for c in cols] for r in rows]
         if "greedy_equal" in rows[0]:
@@ -460,7 +464,9 @@ def render_demo(d: dict) -> str:
         "study's storage (see docs/methodology.md for the protocol).",
         table(["", "#", "state", "config", "backend", "tok/s", "speedup", "acc %", "Δ pts [CI]", "flips", "KL",
                "α / τ", "greedy =", "feasible", "same as", "pruned reason", "notes"], rows),
-        "Notes: " + "; ".join(f"`{k}`: {v}" for k, v in (d.get("notes") or {}).items()),
+        "The `notes` column names the notes this JSON attaches to rows ("
+        + ", ".join(f"`{k}`" for k in (d.get("notes") or {})) + "); `q4_1` is the 4-bit caveat at the top of "
+        "this section.",
         "![speed vs quality, demo study](demo-pareto.png)",
     ])
 
