@@ -232,8 +232,8 @@ def render_act_speed(d: dict) -> str:
     return _act_rows(d["results"]["rows"])
 
 
-@bench("kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py (fp8 on both backends: --vllm)",
-       "Teacher-forced *through the cache* in chunks, so every chunk attends to quantized history; KL against the "
+@bench("kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py",
+       "The fp8 rows on both backends come from `--vllm` (same file). Teacher-forced *through the cache* in chunks, so every chunk attends to quantized history; KL against the "
        "dense fp32 cache. Bytes per token = K+V over all layers (codes + dynamic scales).")
 def render_kv(d: dict) -> str:
     r = d["results"]
@@ -442,8 +442,8 @@ def render_study_cost(d: dict) -> str:
     ])
 
 
-@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (quantspec demo; quantspec pareto --json FILE)",
-       "Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
+@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo",
+       "(`quantspec demo`; `quantspec pareto --json FILE` writes the same table.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
        "rows; `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
        "twin. Plot: [demo-pareto.png](demo-pareto.png).")
 def render_demo(d: dict) -> str:
