@@ -442,8 +442,8 @@ def render_study_cost(d: dict) -> str:
     ])
 
 
-@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo",
-       "(`quantspec demo`; `quantspec pareto --json FILE` writes the same table.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
+@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
+       "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
        "rows; `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
        "twin. Plot: [demo-pareto.png](demo-pareto.png).")
 def render_demo(d: dict) -> str:
