@@ -9,7 +9,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup model demo test test-avx2 test-fast pg clean
+.PHONY: setup model demo test test-avx2 test-fast results pg clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ test-avx2: setup model
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"
+
+# bench/results/README.md from the JSON in bench/results/ (pure rendering, seconds; no model, no engine).
+results: setup
+	$(PY) bench/render_results.py
 
 # PostgreSQL server binaries for the multi-worker tests (tests/pg_server.py starts a throwaway server); a no-op
 # when installed. Without them those tests skip (fail under CI=true).

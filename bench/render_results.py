@@ -1,0 +1,538 @@
+"""Render bench/results/README.md from the JSON files in bench/results/ (plain Python: json only).
+
+    python bench/render_results.py                          # rewrite bench/results/README.md
+    python bench/render_results.py --results DIR --out FILE # render another folder / to another file
+    python bench/render_results.py --check                  # exit 1 if the committed page is stale
+
+Every number on the generated page is read from a JSON field; the prose only explains. One small render
+function per bench kind is registered in ``RENDERERS`` by file-name pattern (first matching pattern wins);
+a JSON file no pattern claims is listed under "Not rendered", so nothing disappears silently.
+Each section states the conditions its run record carries (model + precision, hardware + ISA + kernels,
+lengths, arrival process, engine config + warmth, metric + correctness requirement).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+Q4_1_CAVEAT = (
+    "> **4-bit caveat (default model).** SmolLM2-135M-Instruct comes from a Q4_1 GGUF: its body weights were "
+    "Q4_1-dequantized, i.e. they sit on a 4-bit group-32 grid with a free *float* offset per block. "
+    "compressed-tensors' int4-g32-asym stores an *integer* zero point, which cannot express that offset, so "
+    "re-quantizing this model to int4-g32-asym is **not** near-lossless (see the KL columns on this page), and "
+    "4-bit results on this model need not transfer to natively trained checkpoints."
+)
+FOUR_BIT = re.compile(r"\bw4|W4A|int4|selfquant:w4")
+NOTE = re.compile(r'"note": "(?:[^"\\]|\\.)*"')
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+
+def num(x: Any, nd: int = 2) -> str:
+    """A JSON number as text with ``nd`` decimals; None -> an en dash; bools and strings as they are."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if x != 0 and abs(x) < 10 ** -nd:
+            return f"{x:.1e}"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def pct(x: Any, nd: int = 1) -> str:
+    return "–" if x is None else f"{100 * x:.{nd}f}"
+
+
+def compact(o: Any) -> str:
+    """A JSON value in one line (dicts as ``k=v``), for the conditions lists."""
+    if isinstance(o, dict):
+        return "{" + ", ".join(f"{k}={compact(v)}" for k, v in o.items()) + "}"
+    if isinstance(o, list):
+        return "[" + ", ".join(compact(v) for v in o) + "]"
+    if isinstance(o, float):
+        return f"{o:g}"
+    return "null" if o is None else str(o)
+
+
+def cell(x: Any) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def kernels_text(k: Any) -> str:
+    if not k:
+        return "–"
+    if not isinstance(k, dict):
+        return str(k)
+    if all(isinstance(n, int) for n in k.values()):
+        return ", ".join(f"{name} x{n}" for name, n in k.items())
+    groups: dict[str, list[str]] = {}
+    for layer, kern in k.items():
+        groups.setdefault(str(kern), []).append(layer)
+    return "; ".join(f"{kern} ({', '.join(layers)})" for kern, layers in groups.items())
+
+
+# ----------------------------------------------------------------------------------------------- conditions
+
+def conditions(rec: dict, title: str = "Conditions") -> str:
+    """The six conditions a RunRecord carries, read from it (fields the record lacks say so)."""
+    if "hardware" not in rec:
+        return ""
+    m, hw = rec.get("model", {}), rec.get("hardware", {})
+    ln, arr, eng, met = rec.get("lengths", {}), rec.get("arrival", {}), rec.get("engine", {}), rec.get("metric", {})
+    libs = hw.get("libraries", {})
+    probe = hw.get("probe") or {}
+    probe_txt = ", ".join(f"{k} {v}" for k, v in probe.items() if k not in ("cpu", "isa") and v) or "not recorded"
+    picks = hw.get("kernel_speeds") or {}
+    kernels = hw.get("kernels") or eng.get("config", {}).get("kernel") or eng.get("config", {}).get("kernels")
+    lines = [
+        f"**{title}** (from the run record):",
+        f"- model + precision: `{m.get('model_id')}` (weights hash `{m.get('weights_hash')}`), "
+        f"precision {m.get('precision')}, scheme {m.get('scheme')}",
+        f"- hardware: {hw.get('cpu')}, ISA {hw.get('isa') or 'not recorded in this record'}, "
+        f"{hw.get('cores')} cores, {hw.get('torch_threads')} torch threads; probe: {probe_txt}; "
+        f"{libs.get('torch')}, {libs.get('vllm')}, {libs.get('lm_eval')}",
+        f"- kernels: {kernels_text(kernels) if kernels else 'per row below, or not recorded in this record'}",
+    ]
+    if picks:
+        lines.append("- kernel speed picks of the probe (decode): "
+                     + "; ".join(f"{shape}: {v['rank']['decode'][0]}" for shape, v in picks.items()))
+    lines += [
+        f"- lengths: {ln.get('n_requests')} requests, input {compact(ln.get('input_tokens'))}, "
+        f"output {compact(ln.get('output_tokens'))}, fixed output length {num(ln.get('fixed_output_length'))}; "
+        f"source: {ln.get('source')}",
+        f"- arrival: {arr.get('kind')}, concurrency {num(arr.get('concurrency'))}, "
+        f"rate {num(arr.get('rate_rps'))} req/s, burstiness {num(arr.get('burstiness'))}",
+        f"- engine: {eng.get('backend')}; config {compact(eng.get('config'))}; warm-up: {eng.get('warmup') or 'none'}; "
+        f"cache warmth: {eng.get('cache_warmth')}",
+        "- metric: " + "; ".join(f"`{k}` = {v}" for k, v in (met.get("metrics") or {}).items()),
+        f"- correctness requirement: {met.get('correctness')}",
+        f"- recorded: {rec.get('created')}",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- renderers
+
+@dataclass(frozen=True)
+class Bench:
+    title: str
+    script: str          # the command that writes the JSON
+    render: Callable[[dict], str]
+    intro: str = ""      # prose, no numbers
+
+
+RENDERERS: dict[str, Bench] = {}
+
+
+def bench(pattern: str, title: str, script: str, intro: str = ""):
+    def deco(fn):
+        RENDERERS[pattern] = Bench(title, script, fn, intro)
+        return fn
+    return deco
+
+
+@bench("decode-*.json", "Native decode vs HF generate", "bench/decode.py",
+       "Batch 1, greedy, fixed output length; decode tok/s excludes prefill. One file per CPU kind: a table "
+       "measured on one kind does not hold on another.")
+def render_decode(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["engine"], x["new_tokens"], num(x["decode_tok_s"], 1), num(x["prefill_ms"], 1), num(x["roofline_pct"], 1)]
+            for x in r["rows"]]
+    return "\n\n".join([
+        table(["engine", "new tokens", "decode tok/s", "prefill ms", "% of read roofline"], rows),
+        f"Read bandwidth {num(r['bandwidth_gb_s'], 1)} GB/s, {r['bytes_per_token']} weight bytes per token, roofline "
+        f"{num(r['roofline_tok_s'], 1)} tok/s. Native / HF: {num(r['native_over_hf'])}x; greedy tokens equal: "
+        f"{num(r['greedy_tokens_equal'])}.",
+    ])
+
+
+@bench("quant_decode.*.json", "Quantized decode speed (weight-only kernels)", "bench/quant_decode.py",
+       "Each scheme as a ratio to fp32 decode in the same run and as a share of its own read roofline (bytes per "
+       "token count packed weights, scales and the tied LM head). A run with `QUANTSPEC_CPU_FEATURES=avx2` times "
+       "the kernels an AVX2 CPU would pick on the machine named in its record; it is not an AVX2 measurement.")
+def render_quant_decode(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["engine"], x["dtype"], x["scheme"], kernels_text(x.get("kernels")), num(x["decode_tok_s"], 1),
+             num(x["vs_fp32"]) + "x", "–" if x["target_vs_fp32"] is None else f">= {num(x['target_vs_fp32'], 1)}x",
+             num(x["meets_target"]), num(x["bytes_per_token"] / 2 ** 20, 0), num(x["roofline_pct"], 0)]
+            for x in r["rows"]]
+    return "\n\n".join([
+        table(["config", "dtype", "scheme", "kernels (layers)", "tok/s", "vs fp32", "target", "met",
+               "MiB streamed/token", "% of read roofline"], rows),
+        f"Read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load average (1/5/15 min) at the end "
+        f"{' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.",
+    ])
+
+
+@bench("backends.json", "Serving backends: native vs vLLM", "bench/backends.py",
+       "Effective tok/s = output tokens counted from the returned ids / window wall time (prefill and queueing "
+       "included). The native backend serves batch 1 (others wait in a FIFO queue, inside their TTFT); vLLM "
+       "batches continuously. Each (backend, config) ran in its own process with one engine for both loads.")
+def render_backends(d: dict) -> str:
+    rows = [[x["config"], x["concurrency"], x["backend"], num(x["effective_tok_s"], 1),
+             num(x["vs_bf16_same_backend"]) + "x", "–" if x["vllm_over_native"] is None else num(x["vllm_over_native"]) + "x",
+             num(x["tpot_p50_ms"], 1), num(x["ttft_p50_ms"], 0), num(x["alpha"]), num(x["tau"]),
+             num(x["peak_rss_mib"], 0), num(x["load_avg_1m"], 1)]
+            for x in d["table"]]
+    parts = [f"Workload `{d['workload']}`, output length {d['output_len']}, load average at the end "
+             f"{num(d['load_avg_1m_end'], 1)}.",
+             table(["config", "C", "backend", "effective tok/s", "vs bf16 (same backend)", "vLLM / native",
+                    "TPOT p50 ms", "TTFT p50 ms", "α", "τ", "peak RSS MiB", "load 1 min"], rows)]
+    seen = set()
+    for run in d["runs"]:
+        if run["engine"]["backend"] not in seen:
+            seen.add(run["engine"]["backend"])
+            parts.append(conditions(run, f"Conditions of the first `{run['engine']['backend']}` run "
+                                         f"(`{run['name']}`, config {run.get('bench_config')})"))
+    return "\n\n".join(parts)
+
+
+def _act_rows(rows: list[dict]) -> str:
+    cols = [("config", "config", str), ("dtype", "dtype", str), ("scheme", "scheme", str),
+            ("observer", "observer", num), ("SmoothQuant α", "smoothquant", num), ("kernels", "kernels", kernels_text),
+            ("PPL", "ppl", lambda v: num(v, 2)), ("mean KL", "mean_kl", lambda v: num(v, 4)),
+            ("top-1 agreement", "top1_agreement", lambda v: num(v, 3)),
+            ("decode tok/s", "decode_tok_s", lambda v: num(v, 1)), ("decode x fp32", "decode_vs_fp32", num),
+            ("prefill tok/s", "prefill_tok_s", lambda v: num(v, 0)), ("prefill x fp32", "prefill_vs_fp32", num),
+            ("greedy agreement vs fp32", "greedy_agreement_vs_fp32", lambda v: num(v, 3))]
+    cols = [c for c in cols if any(c[1] in r for r in rows)]
+    return table([c[0] for c in cols], [[c[2](r.get(c[1])) for c in cols] for r in rows])
+
+
+@bench("act_quality.json", "W8A8 activation quantization: quality", "bench/act_quality.py --no-speed",
+       "Perplexity and KL against the fp32 model on WikiText-2 windows; static scales and SmoothQuant calibrated "
+       "as the record says.")
+def render_act_quality(d: dict) -> str:
+    return _act_rows(d["results"]["rows"])
+
+
+@bench("act_speed.json", "W8A8 activation quantization: speed", "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
+       "The `int8xint8` kernel (`torch._int_mm`) against dense fp32 and bf16 in the same run. The quality columns "
+       "here come from fewer windows than the quality table above, which is the quality result.")
+def render_act_speed(d: dict) -> str:
+    return _act_rows(d["results"]["rows"])
+
+
+@bench("kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py",
+       "The fp8 rows on both backends come from `--vllm` (same file). Teacher-forced *through the cache* in chunks, so every chunk attends to quantized history; KL against the "
+       "dense fp32 cache. Bytes per token = K+V over all layers (codes + dynamic scales).")
+def render_kv(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["spec"], num(x["bytes_per_token"] / 1024, 1), num(x["ppl_512"], 3), num(x["kl_512"], 4),
+             num(x["ppl_2048"], 3), num(x["kl_2048"], 4)] for x in r["rows"]]
+    parts = [table(["KV spec", "KiB/token", "PPL 512", "KL 512", "PPL 2048", "KL 2048"], rows)]
+    if "kivi_key_verdict" in r:
+        vr = [[bits, ctx, num(v["per_token"], 4), num(v["per_channel"], 4), num(v["channel_better"])]
+              for bits, by_ctx in r["kivi_key_verdict"].items() for ctx, v in by_ctx.items()]
+        parts += ["KIVI's key-granularity question, values left unquantized (keys per token vs per channel):",
+                  table(["bits", "metric", "keys per token", "keys per channel", "per channel better"], vr)]
+    if "fp8_native_vs_vllm" in r:
+        f = r["fp8_native_vs_vllm"]
+        own = f["top1_agreement_vs_own_unquantized_kv"]
+        fr = [[kv, num(f["ppl"]["native"][kv]), num(own["native"].get(kv, 1.0 if kv == "none" else None), 3),
+               num(f["ppl"]["vllm"][kv]), num(own["vllm"].get(kv, 1.0 if kv == "none" else None), 3),
+               num(f["top1_agreement_native_vs_vllm"][kv], 3)] for kv in f["ppl"]["native"]]
+        parts += [f"fp8 KV on both backends (key `fp8_native_vs_vllm`): weights {f['weights']}, {f['windows']} windows "
+                  f"of {f['ctx']} tokens, chunks of {f['prefill_chunk']} tokens on both backends. Top-1 = teacher-forced "
+                  "argmax agreement (with the same backend's unquantized-KV run, or between backends).",
+                  table(["KV", "native PPL", "native top-1 vs own unquantized KV", "vLLM PPL",
+                         "vLLM top-1 vs own unquantized KV", "native vs vLLM top-1"], fr)]
+    return "\n\n".join(parts)
+
+
+@bench("eval_agreement*.json", "Native eval backend vs lm-eval's `hf` backend", "bench/eval_agreement.py",
+       "Both backends through `lm_eval.simple_evaluate` on the same documents, 0-shot, local task YAMLs. CPU "
+       "seconds were measured on shared cores: indicative only.")
+def render_eval_agreement(d: dict) -> str:
+    r = d["results"]
+    rows = [[t, pct(v["native"]["acc,none"]), pct(v["hf"]["acc,none"]), pct(v["stderr"], 2),
+             pct(v["native"]["acc_norm,none"]), pct(v["hf"]["acc_norm,none"]), f"{v['items_differing']}/{v['n']}",
+             num(v["within_1se"])] for t, v in r["tasks"].items()]
+    parts = [table(["task", "native acc %", "hf acc %", "stderr", "native acc_norm %", "hf acc_norm %",
+                    "items answered differently", "within 1 stderr"], rows)]
+    sec = r.get("seconds", {})
+    if sec:
+        parts.append(table(["job", "CPU s", "wall s"], [[k, num(v["cpu_s"], 1), num(v["wall_s"], 0)] for k, v in sec.items()]))
+    if r.get("published"):
+        parts.append("Published model-card scores (lighteval prompts and normalisation on the original bf16 weights; "
+                     "not comparable one to one with lm-eval's prompts on the Q4_1-derived body): "
+                     + ", ".join(f"{k} {num(v, 1)}" for k, v in r["published"].items()) + ".")
+    return "\n\n".join(parts)
+
+
+@bench("eval_schemes.json", "Weight schemes: accuracy, flips, KL, floor verdict", "bench/eval_schemes.py",
+       "Accuracy alone hides how many answers changed: flips count items whose correctness differs from the "
+       "reference; the verdict is the lower end of the paired-bootstrap interval of the margin "
+       "(see docs/methodology.md), so a small item count cannot certify a floor even when the point estimate "
+       "is above the reference.")
+def render_eval_schemes(d: dict) -> str:
+    rows = []
+    for x in d["results"]["rows"]:
+        lo, hi = x["delta_ci"]
+        f = x["flips"]
+        rows.append([x["config"], x["task"], x["n"], pct(x["acc_test"]), pct(x["acc_ref"]),
+                     f"{pct(x['delta'])} [{pct(lo)}, {pct(hi)}]", f"{f['total']} (-{f['lost']}/+{f['gained']})",
+                     f"{num(x['kl_mean'], 3)} / {num(x['kl_p99'], 2)}", pct(x["top1_agreement"]),
+                     f"{num(x['ppl'])} (ref {num(x['ppl_ref'])})", f"{pct(x['margin_ci'][0])}",
+                     "pass" if x["passed"] else "fail", x["verdict"]])
+    return table(["method:scheme", "task", "items", "acc %", "ref %", "Δ pts [CI]", "flips (-lost/+gained)",
+                  "KL mean / p99", "top-1 agree %", "PPL", "margin lower bound (pts)", "task verdict",
+                  "config verdict (all tasks)"], rows)
+
+
+@bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",
+       "Each row quantized by `quantize_model` and scored on the same WikiText-2 windows; quantize seconds are "
+       "wall time on shared cores (they rank methods, they are not speeds).")
+def render_quant_quality(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["scheme"], x["method"], kernels_text(x.get("kernels")), num(x.get("mean_weight_rel_error"), 3),
+             num(x["ppl"], 3), x["n_tokens"], num(x["quantize_s"], 0)] for x in r["rows"]]
+    return "\n\n".join([
+        table(["scheme", "method", "kernels (layers)", "mean relative weight error", "PPL", "scored tokens",
+               "quantize s"], rows),
+        f"Total {num(r.get('total_s'), 0)} s, {r.get('jobs')} jobs, {r.get('torch_threads_per_job')} torch thread(s) per job.",
+    ])
+
+
+@bench("harness_overhead.json", "Harness overhead on vLLM", "bench/harness_overhead.py",
+       "Our vLLM backend's closed loop against a bare `LLM.generate` on the same in-process engine and prompts, "
+       "alternating rounds, median.")
+def render_harness_overhead(d: dict) -> str:
+    r = d["results"]
+    target = r["target_overhead_pct"]
+    rows = [[x["concurrency"], num(x["bare_llm_generate_tok_s"], 1), num(x["harness_tok_s"], 1),
+             num(x["overhead_pct"], 1), num(x["overhead_pct"] <= target)] for x in r["rows"]]
+    return "\n\n".join([
+        table(["C", "bare LLM.generate tok/s", "harness tok/s", "overhead %", f"<= {num(target, 0)}% target met"], rows),
+        f"Load average at the end {num(r.get('load_avg_1m_end'), 1)}.",
+    ])
+
+
+@bench("specdec-vllm.json", "Speculative decoding: native vs vLLM side by side", "bench/spec_vllm.py",
+       "vLLM numbers are deltas of its spec-decode counters around the measured window; native numbers use the "
+       "same definitions. With an identical draft an exact sampler must accept every draft token at any "
+       "temperature.")
+def render_spec_vllm(d: dict) -> str:
+    n = d["lengths"]["n_requests"]
+    rows = [[x["proposer"], num(x["temperature"], 0), x["k"], num(x["native"]["alpha"], 3), num(x["native"]["tau"]),
+             num(x["vllm"]["alpha"], 3), num(x["vllm"]["tau"]),
+             "(sampled)" if x["outputs_identical"] is None else f"{x['outputs_identical']}/{n}"] for x in d["results"]["rows"]]
+    return table(["proposer", "T", "K", "native α", "native τ", "vLLM α", "vLLM τ", "identical outputs"], rows)
+
+
+SWEEP_COLS = [  # (header, row field, format); a column shows when any row has the field
+    ("K", "k", str), ("α", "alpha", num), ("β", "beta", num), ("τ", "tau", num),
+    ("accept/pos", "acceptance_per_pos", lambda v: " ".join(f"{x:.2f}" for x in v)),
+    ("no-draft steps", "draft_length_hist", lambda v: num(v[0])),
+    ("tok/s", "tok_s", lambda v: num(v, 1)), ("speedup", "speedup", num), ("Thm 3.8", "predicted_speedup", num),
+    ("refined", "refined_speedup", num), ("meas/Thm", "measured_over_predicted", num),
+    ("meas/refined", "measured_over_refined", num), ("c", "c", lambda v: num(v, 3)), ("V(K)", "verify_cost", num),
+    ("=greedy", "greedy_equal", str), ("vs reference plain", "speedup_vs_reference", num),
+    ("speedup, ended prompts", "speedup_ended", num),
+]
+
+
+@bench("specdec*.json", "Speculative decoding: acceptance and speedup vs K", "bench/spec_sweep.py",
+       "Speedup = speculative decode tok/s / plain decode tok/s of the same target (prefill excluded). α = "
+       "accepted / drafted; β = accepted / tested draft tokens (Leviathan's per-token acceptance); c = proposer "
+       "cost per drafted token in plain decode steps; V(K) = measured cost of a (K+1)-token verification in "
+       "decode steps. Thm 3.8 is Leviathan et al.'s prediction; refined uses the measured mix of draft lengths, "
+       "K·c and V(K) (docs/methodology.md). `=greedy` counts prompts whose output is token-identical to plain "
+       "greedy decoding. With fixed output length (ignore_eos) a finished answer keeps going and often repeats "
+       "itself, which prompt lookup exploits; the end-of-turn run stops where the model stops.")
+def render_sweeps(d: dict) -> str:
+    n = d["lengths"]["n_requests"]
+    parts = []
+    for s in d["results"]["sweeps"]:
+        b = s["baseline"]
+        ref = b.get("reference")
+        head = (f"**{s['proposer']}, T={num(s['sampling']['temperature'], 0)}** ({s['dtype']}, attention "
+                f"{s.get('attention', 'not recorded')}, {s['threads']} threads): plain {num(b['tok_s'], 1)} tok/s"
+                + (f" ({ref['attention']} plain {num(ref['tok_s'], 1)})" if ref else "")
+                + f"; best K measured {s['best_k_measured']}, theory {s['best_k_theory']}")
+        if "ended" in b:
+            ended = [t for t, e in zip(b["output_tokens"], b["ended"]) if e]
+            head += (f"; {len(ended)} of {len(b['ended'])} answers ended by themselves "
+                     f"({min(ended)}-{max(ended)} tokens)" if ended else "; no answer ended by itself")
+        rows = s["rows"]
+        best = max(rows, key=lambda r: r["speedup"])
+        head += f"; highest speedup {num(best['speedup'])}x at K={best['k']}"
+        if s.get("load_average_after"):
+            head += f"; load average after the sweep {' / '.join(num(x, 1) for x in s['load_average_after'])}"
+        cols = [c for c in SWEEP_COLS if any(c[1] in r for r in rows)]
+        body = [[c[2](r[c[1]]) if c[1] in r else "–" for c in cols] for r in rows]
+        if "greedy_equal" in rows[0]:
+            body = [[f"{v}/{n}" if c[1] == "greedy_equal" and v != "–" else v for c, v in zip(cols, line)] for line in body]
+        parts += [head, table([c[0] for c in cols], body)]
+    return "\n\n".join(parts)
+
+
+@bench("check-lossless-*.json", "Lossless checks of speculative sampling", "quantspec check-lossless --json FILE",
+       "Greedy speculative output must equal plain greedy decoding; sampled outputs are judged by TV and "
+       "acceptance tests of known false-alarm rate and power (docs/methodology.md). Over a full vocabulary a few "
+       "hundred samples detect little: compare each TV threshold with its detectable TV.")
+def render_lossless(d: dict) -> str:
+    r = d["results"]
+
+    def dist(name, x):
+        return [name, x["samples"], x["cells"], num(x["tv"], 3), num(x["tv_threshold"], 3), num(x["detectable_tv"], 3),
+                num(x["p_value"], 3), num(x["passed"])]
+
+    def acc(name, x):
+        return [name, x["rounds"], num(x["rate"], 3), num(x["expected"], 3), f"[{x['region'][0]}, {x['region'][1]}]",
+                num(x["accepted"]), num(x["detectable_shift"], 3), num(x["passed"])]
+
+    drows, arows = [], []
+    for i, fs in enumerate(r["first_step"]):
+        drows.append(dist(f"model, prefix {i}", fs["distribution"]))
+        if fs.get("acceptance"):
+            arows.append(acc(f"model, prefix {i}", fs["acceptance"]))
+    syn = r.get("synthetic") or {}
+    for key in ("joint", "first_token"):
+        x = syn.get("joint", {}).get("distribution") if key == "joint" else syn.get("joint", {}).get(key)
+        if x:
+            drows.append(dist(f"synthetic chain, {key.replace('_', ' ')}", x))
+    if syn.get("bonus"):
+        drows.append(dist("synthetic chain, bonus token", syn["bonus"]))
+    if syn.get("joint", {}).get("acceptance"):
+        arows.append(acc("synthetic chain", syn["joint"]["acceptance"]))
+    parts = [f"Overall: passed {num(r['passed'])}; greedy mismatches {len(r['greedy_mismatches'])}; synthetic "
+             f"vocabulary {syn.get('vocab')}.",
+             table(["distribution test", "samples", "cells", "TV", "threshold", "detectable TV", "χ² p (info)", "passed"], drows)]
+    if arows:
+        parts.append(table(["first-draft acceptance", "rounds", "rate", "Σ min(p, q)", "binomial region", "accepted",
+                            "detectable shift", "passed"], arows))
+    else:
+        parts.append("No acceptance test ran on the model: the proposer drafted nothing after these prefixes.")
+    return "\n\n".join(parts)
+
+
+@bench("study_cost.json", "Search cost", "bench/study_cost.py",
+       "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
+       "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
+       "one point calibrate once.")
+def render_study_cost(d: dict) -> str:
+    r = d["results"]
+    rows = [[k, num(v, 0), r["calls"].get(k, "–")] for k, v in r["seconds"].items()]
+    return "\n\n".join([
+        table(["where", "seconds", "calls"], rows),
+        f"Wall {num(r['wall_s'], 0)} s against a target of {num(r['target_wall_s'], 0)} s (within target: "
+        f"{num(r['within_target'])}); {r['n_finished']} finished trials ("
+        + ", ".join(f"{k} {v}" for k, v in r["states"].items()) + f"); {r['duplicates_reused']} re-sampled points "
+        "reused their numbers.",
+    ])
+
+
+@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
+       "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
+       "rows; `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
+       "twin. Plot: [demo-pareto.png](demo-pareto.png).")
+def render_demo(d: dict) -> str:
+    rows = []
+    for x in d["rows"]:
+        ci = x.get("ci") or [None, None]
+        ex = x.get("exact")
+        greedy = "" if not ex else ("yes" if ex["equal"] else f"NO {sum(ex['equal_per_prompt'])}/{ex['n_prompts']}")
+        rows.append(["*" if x["pareto"] else "", x["number"], x["state"], x["label"], x["backend"], num(x["tok_s"], 1),
+                     num(x["speedup"]) + "x", pct(x["accuracy"]), f"{pct(x['delta'])} [{pct(ci[0])}, {pct(ci[1])}]",
+                     num(x["flips"]), num(x["kl"], 4), f"{num(x['alpha'])} / {num(x['tau'])}", greedy,
+                     num(x["feasible"]), "–" if x["duplicate_of"] is None else f"#{x['duplicate_of']}",
+                     x["reason"] or "", ", ".join(x.get("notes") or [])])
+    ref = d.get("reference", {})
+    return "\n\n".join([
+        f"Study `{d['study']}`, mode {d['mode']}, floor {d['floor']}; speedup reference: {compact(ref)}. "
+        "This file holds the table, not a run record: the speed and quality conditions of each trial live in the "
+        "study's storage (see docs/methodology.md for the protocol).",
+        table(["", "#", "state", "config", "backend", "tok/s", "speedup", "acc %", "Δ pts [CI]", "flips", "KL",
+               "α / τ", "greedy =", "feasible", "same as", "pruned reason", "notes"], rows),
+        "The `notes` column names the notes this JSON attaches to rows ("
+        + ", ".join(f"`{k}`" for k in (d.get("notes") or {})) + "); `q4_1` is the 4-bit caveat at the top of "
+        "this section.",
+        "![speed vs quality, demo study](demo-pareto.png)",
+    ])
+
+
+# ----------------------------------------------------------------------------------------------- page
+
+HEADER = """# Measured results
+
+Generated by [`bench/render_results.py`](../render_results.py) from the JSON files in this folder (`make
+results`); do not edit by hand: `tests/test_results_page.py` fails when this page and the JSON disagree.
+Every number below is a JSON field. Each section names its source file, the script that writes it and the
+conditions its run record carries; the definitions behind α, β, τ, c, the quality floor and exactness are in
+[docs/methodology.md](../../docs/methodology.md).
+"""
+
+
+def claim(name: str) -> str | None:
+    return next((p for p in RENDERERS if fnmatch.fnmatch(name, p)), None)
+
+
+def render_page(results: Path) -> str:
+    files = sorted(p for p in Path(results).glob("*.json"))
+    by_pattern: dict[str, list[Path]] = {p: [] for p in RENDERERS}
+    unclaimed = []
+    for f in files:
+        p = claim(f.name)
+        (by_pattern[p] if p else unclaimed).append(f)
+    out = [HEADER, "## Contents\n\n" + "\n".join(f"- {RENDERERS[p].title}" for p, fs in by_pattern.items() if fs)]
+    for pattern, fs in by_pattern.items():
+        if not fs:
+            continue
+        b = RENDERERS[pattern]
+        out.append(f"## {b.title}\n\nWritten by `{b.script}`. {b.intro}".rstrip())
+        for f in fs:
+            text = f.read_text()
+            d = json.loads(text)
+            sec = [f"### [`{f.name}`]({f.name})"]
+            if FOUR_BIT.search(NOTE.sub("", text)):  # 4-bit results here, not just the model's note
+                sec.append(Q4_1_CAVEAT)
+            sec.append(b.render(d))
+            cond = conditions(d)
+            if cond:
+                sec.append(cond)
+            out.append("\n\n".join(sec))
+    out.append("## Not rendered\n\nJSON files in this folder that no renderer claims (add a renderer in "
+               "`bench/render_results.py`):\n\n" + ("\n".join(f"- `{f.name}`" for f in unclaimed) or "- none"))
+    return "\n\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON files")
+    ap.add_argument("--out", type=Path, default=None, help="page to write (default: RESULTS/README.md)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page on disk differs from a fresh render")
+    args = ap.parse_args(argv)
+    out = args.out or args.results / "README.md"
+    page = render_page(args.results)
+    if args.check:
+        if not out.exists() or out.read_text() != page:
+            print(f"{out} is stale: run make results", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(page)
+    print(f"wrote {out} ({len(page)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
