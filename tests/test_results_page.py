@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def _renderer():
-    spec = importlib.util.spec_from_file_location("render_results", ROOT / "bench" / "render_results.py")
+def _renderer(name: str = "render_results"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -80,3 +80,15 @@ def test_four_bit_sections_carry_the_q4_1_caveat():
 def test_readme_is_at_most_10_kib():
     size = (ROOT / "README.md").stat().st_size
     assert size <= 10240, f"README.md is {size} bytes; move detail to docs/ or bench/results/README.md"
+
+
+def test_every_number_on_the_pages_traces_to_a_json_record(capsys):
+    assert _renderer("trace_numbers").main(["--quiet"]) == 0, capsys.readouterr().out
+
+
+def test_negative_control_a_typed_number_is_reported_missing(tmp_path, capsys):
+    """A figure typed into a section that names its record, but held by no field of it, is caught."""
+    page = tmp_path / "page.md"
+    page.write_text((RESULTS / "README.md").read_text().replace("| fp32 (dense cache) | ", "| fp32 (dense cache) | 46.5 ", 1))
+    assert _renderer("trace_numbers").main([str(page), "--quiet"]) == 1
+    assert "46.5\t<- MISSING" in capsys.readouterr().out
