@@ -102,3 +102,16 @@ def test_builder_reaches_static_w8a8_and_static_kv(tiny_llama_dir, calib):
     model.setup_cache(1, 32, built.cache_factory)
     logits = model(torch.tensor([[1, 2, 3, 4]]), torch.arange(4))
     assert torch.isfinite(logits).all()
+
+
+def test_w8a8_space_reaches_static_and_smoothquant(tiny_llama_dir):
+    from studies.space import SearchSpace, invalid_reason, load_space
+
+    space = load_space("w8a8", model=str(tiny_llama_dir))
+    assert space.size == 8 and 0.5 in space.smoothquant
+    assert SearchSpace(**space.to_dict()).to_dict() == space.to_dict()  # stored in the study's user_attrs
+    point = Config(model=str(tiny_llama_dir), weights="w8ch-sym", method="rtn", activations="a8t-static",
+                   smoothquant=0.5, kv="k8ts-v8ts")
+    assert invalid_reason(point) is None and SearchSpace.params_of(point)["smoothquant"] == 0.5
+    assert "needs activation quantization" in invalid_reason(Config(model=str(tiny_llama_dir), weights="w8ch-sym",
+                                                                    smoothquant=0.5))

@@ -103,11 +103,13 @@ def bench(
     slo_tpot: float = typer.Option(0.2, help="Goodput SLO: TPOT bound in seconds."),
     json_out: str = typer.Option(None, "--json", help="Write every run record to this JSON file."),
     data_dir: str = DataDirOption,
+    smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
+                                      help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
 ):
     """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
     loads = load_specs(concurrency, rate, burstiness)
     config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k,
-                           backend=backend,
+                           backend=backend, smoothquant=smoothquant,
                            temperature=temperature, max_model_len=max_model_len, port=port)
     configs = [config.without_spec(), config] if config.speculative and baseline else [config]
     for c in configs:
