@@ -26,7 +26,7 @@ from runtime.errors import UserError
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model
 from runtime.loading import load_model
 from runtime.registry import Registry
-from quant.kvcache import vllm_kv_cache_dtype
+from quant.vllm_support import vllm_kv_cache_dtype
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"
 # lm-eval model factories (``factory(EvalConfig) -> lm_eval LM``); serving engines are evals.backends.BACKENDS

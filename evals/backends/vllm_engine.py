@@ -22,8 +22,7 @@ from evals.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
 from specdec.proposers.ngram import NgramProposer
 from runtime.model_store import resolve_model, weights_hash
-from quant.kvcache import vllm_kv_cache_dtype
-from quant.vllm_support import vllm_support
+from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
 from quant.checkpoint import save_compressed
 from runtime.loading import load_model, load_tokenizer
 from runtime.hardware import quantspec_home
