@@ -6,7 +6,6 @@ workload and load, measured in the same process) also reports its speedup and gr
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from evals.record import (EngineCondition, LengthDistribution, MetricCondition, 
                           hardware_info)
 from evals.serving_metrics import METRIC_DEFINITIONS, SLO, length_distribution_stats, spec_summary, summarize
 from evals.workloads import build_requests, WORKLOADS
-from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from evals.build import model_weights_hash
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model
 from runtime.generate import encode_prompt
 
 WARMUP_PROMPT = "Say hello in three languages."  # not part of any workload: measured prompts stay cold
@@ -52,11 +52,6 @@ class BenchResult:
     @property
     def speedup(self) -> float | None:
         return self.summary.get("speedup")
-
-
-@functools.lru_cache(maxsize=16)
-def _weights_hash(path: Path) -> str:
-    return weights_hash(path)
 
 
 def warm_up(backend: Backend, load_kind: str) -> str:
@@ -125,7 +120,7 @@ def _record(config: ServingConfig, backend: Backend, workload: str, load: LoadSp
     sampling = "greedy (temperature 0)" if config.temperature == 0 else f"temperature {config.temperature}"
     return RunRecord(
         name=f"bench-{config.backend}-{workload if workload in _named() else Path(workload).stem}-{load.label}",
-        model=ModelCondition(config.model, _weights_hash(path), f"bf16 activations, weights {config.scheme}, "
+        model=ModelCondition(config.model, model_weights_hash(str(path)), f"bf16 activations, weights {config.scheme}, "
                              f"KV {config.kv}", config.scheme, SMOLLM2.note if is_default_model(path) else ""),
         hardware=hardware_info(),
         lengths=LengthDistribution(len(requests), in_stats, out_stats | {"requested": requests[0].max_tokens},

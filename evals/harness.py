@@ -8,9 +8,8 @@ disk -> paired bootstrap floor and flips per task -> KL / top-1 agreement / perp
 """
 from __future__ import annotations
 
-import functools
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -21,32 +20,32 @@ from evals.floor import Floor, FloorResult, check_floor
 from evals.vllm_shim import lm_eval_vllm
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
+from evals.build import build_native, model_weights_hash
+from evals.config import NONE, Config
 from runtime.errors import UserError
-from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model
 from runtime.loading import load_model
-from quant.quantize import quantize_fresh
-from quant.kvcache import make_cache_factory, vllm_kv_cache_dtype
+from runtime.registry import Registry
+from quant.vllm_support import vllm_kv_cache_dtype
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"
-BACKENDS: dict[str, Callable] = {}
+# lm-eval model factories (``factory(EvalConfig) -> lm_eval LM``); serving engines are evals.backends.BACKENDS
+LM_FACTORIES: Registry[Callable] = Registry("eval backend")
+register_lm_factory = LM_FACTORIES.register
 
 
-def register_backend(name: str):
-    """Register ``factory(config) -> lm_eval LM`` under ``name`` (lm-eval-style registry)."""
-    def wrap(factory):
-        BACKENDS[name] = factory
-        return factory
-    return wrap
+_POINT_KEYS = ("model", "scheme", "method", "kv", "backend", "dtype", "calib", "smoothquant", "observer")
 
 
-@dataclass
+@dataclass(init=False)
 class EvalConfig:
-    model: str = "default"  # `default`, a HF dir, or a compressed-tensors checkpoint dir
+    """A configuration point (``evals.config.Config``; dtype fp32 unless given) plus run-only scoring settings.
+
+    ``EvalConfig(config, tasks=..)``, or from strings as before: ``EvalConfig(model=.., scheme=.., kv=..,
+    backend=.., dtype=.., calib=.., tasks=..)`` parses them once into the ``Config`` (None = "none")."""
+
+    config: Config
     reference_model: str | None = None  # unquantized model to compare with (default: ``model`` itself)
-    scheme: str | None = None  # weight scheme for quant.quantize (native); None = as stored
-    method: str = "rtn"
-    kv: str | None = None  # KV cache spec (quant.kvcache); vLLM: its kv_cache_dtype
-    backend: str = "native"  # native | vllm
     tasks: tuple[str, ...] = ("arc_easy",)
     limit: int | None = None  # first N docs per task
     fewshot: int = 0
@@ -55,13 +54,30 @@ class EvalConfig:
     seed: int = 0
     data_dir: str | None = None
     include_path: tuple[str, ...] = ()
-    dtype: str = "fp32"
     metric: str = "acc"  # per-item metric the floor and flips use
     reference: bool = True  # score the unquantized reference too (needed for Δ, flips, relative floors)
     fidelity_windows: int = 4  # WikiText-2 windows for KL/agreement/PPL (0 = skip)
     fidelity_ctx: int = 512
-    calib: object = None  # quant.calibration.CalibConfig for calibrated methods (gptq, awq...)
     progress: bool = True
+
+    def __init__(self, config: Config | None = None, **kw):
+        point = {k: kw.pop(k) for k in _POINT_KEYS if k in kw}
+        if isinstance(config, str):  # EvalConfig("model", ...) as before
+            config, point = None, {"model": config, **point}
+        if config is None:
+            point.setdefault("dtype", "fp32")
+            if point.get("method") is None:
+                point.pop("method", None)
+            config = Config.parse(**point)
+        elif point:
+            raise TypeError(f"pass either a Config or its strings, not both ({', '.join(point)})")
+        self.config = config
+        for f in fields(self):
+            if f.name != "config":
+                setattr(self, f.name, kw.pop(f.name, f.default))
+        if kw:
+            raise TypeError(f"EvalConfig got unknown field(s) {', '.join(kw)}")
+        self.__post_init__()
 
     def __post_init__(self):
         self.tasks = tuple(t.strip() for t in (self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks) if t.strip())
@@ -71,23 +87,46 @@ class EvalConfig:
             raise UserError(f"--limit must be >= 1, got {self.limit}")
         if self.fewshot < 0:
             raise UserError(f"--fewshot must be >= 0, got {self.fewshot}")
-        if self.backend not in BACKENDS:
-            raise UserError(f"unknown backend {self.backend!r}: use one of {', '.join(sorted(BACKENDS))}")
+        LM_FACTORIES.get(self.backend)
         if not 0 < self.confidence < 1:
             raise UserError(f"--confidence must be in (0, 1), got {self.confidence}")
         self.floor_spec = Floor.parse(self.floor)
+
+    # read-only views of the configuration point (None where the point says "none")
+    model = property(lambda self: self.config.model)
+    backend = property(lambda self: self.config.backend)
+    dtype = property(lambda self: self.config.dtype)
+    calib = property(lambda self: self.config.calib)
+
+    @property
+    def scheme(self) -> str | None:
+        return self.config.scheme_label if self.config.quantized_weights else None
+
+    @property
+    def method(self) -> str:
+        return self.config.method or "rtn"
+
+    @property
+    def kv(self) -> str | None:
+        return None if self.config.kv == NONE else self.config.kv
 
     @property
     def quantized(self) -> bool:
         return bool(self.scheme or self.kv or self.backend != "native" or self.reference_model)
 
     def reference_config(self) -> "EvalConfig":
-        return EvalConfig(**{**self.fields(), "model": self.reference_model or self.model, "reference_model": None,
-                             "scheme": None, "method": "rtn", "kv": None, "backend": "native", "floor": None,
-                             "reference": False, "fidelity_windows": 0})
+        ref = Config(model=self.reference_model or self.model, dtype=self.dtype)
+        return EvalConfig(ref, **{**self.run_fields(), "reference_model": None, "floor": None, "reference": False,
+                                  "fidelity_windows": 0})
+
+    def run_fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
 
     def fields(self) -> dict:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """Flat view (report / JSON): the point's strings plus the run settings."""
+        return {"model": self.model, "scheme": self.scheme, "method": self.method, "kv": self.kv,
+                "backend": self.backend, "dtype": self.dtype, "calib": self.calib, **self.run_fields(),
+                "config": self.config.to_dict()}
 
 
 @dataclass
@@ -164,35 +203,23 @@ def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tu
 # --------------------------------------------------------------------------------------------- backends
 
 
-@register_backend("native")
+@register_lm_factory("native")
 def native_lm(config: EvalConfig):
     from evals.lm_native import NativeLM  # imports lm-eval
 
-    loaded = load_model(config.model, config.dtype)
-    if config.scheme:
-        quantize_fresh(loaded, config.scheme, config.method, config.calib)
-    return NativeLM(loaded=loaded, cache_factory=_cache_factory(config.kv))
+    built = build_native(config.config, progress=config.progress)
+    return NativeLM(loaded=built.lm, cache_factory=built.cache_factory)
 
 
-def _cache_factory(kv: str | None):
-    if not kv:
-        return None
-    return make_cache_factory(kv)
-
-
-@register_backend("vllm")
+@register_lm_factory("vllm")
 def vllm_lm(config: EvalConfig):
     """lm-eval's own ``vllm`` model over the checkpoint dir (schemes must be exported as compressed-tensors)."""
     if config.scheme:
         raise UserError("the vllm backend evaluates checkpoints: export the scheme as a compressed-tensors dir "
                         "first and pass that dir as MODEL")
-    kwargs = {"kv_cache_dtype": _vllm_kv(config.kv)} if config.kv else {}
+    kwargs = {"kv_cache_dtype": vllm_kv_cache_dtype(config.config.kv_spec)} if config.kv else {}
     return lm_eval_vllm(str(resolve_model(config.model)), dtype={"fp32": "float32", "bf16": "bfloat16"}[config.dtype],
                         seed=config.seed, **kwargs)
-
-
-def _vllm_kv(kv: str) -> str:
-    return vllm_kv_cache_dtype(kv)
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -214,21 +241,8 @@ def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int =
 
 
 def _method_key(config: EvalConfig) -> str:
-    """The method and, for calibrated methods, the calibration set (it changes the weights)."""
-    if not config.scheme:
-        return "-"
-    return f"{config.method}[{config.calib.label}]" if config.calib is not None else config.method
-
-
-@functools.lru_cache(maxsize=8)
-def _hash_of(path: str, mtime: float) -> str:
-    return weights_hash(Path(path))
-
-
-def model_weights_hash(model: str) -> str:
-    """``weights_hash`` of a model argument, computed once per process and checkpoint version."""
-    path = resolve_model(model)
-    return _hash_of(str(path), max((f.stat().st_mtime for f in path.glob("*.safetensors")), default=0.0))
+    """The method and everything else that changes the weights (calibration set, SmoothQuant, observer)."""
+    return config.config.method_key
 
 
 def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
@@ -244,7 +258,7 @@ def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None)
             out[task] = TaskResult(**{**hit, "items": {int(k): v for k, v in hit["items"].items()}, "cached": True})
     missing = [t for t in config.tasks if t not in out]
     if missing:
-        lm = (lm_factory or BACKENDS[config.backend])(config)
+        lm = (lm_factory or LM_FACTORIES.get(config.backend))(config)
         res = run_lm_eval(lm, missing, manager, config.limit, config.fewshot, config.seed)
         for task in missing:
             metrics = {k: v for k, v in res["results"][task].items() if k != "alias"}
@@ -290,12 +304,10 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
 
 def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
     ref = load_model(config.reference_model or config.model, config.dtype)
-    test = load_model(config.model, config.dtype)
-    if config.scheme:
-        quantize_fresh(test, config.scheme, config.method, config.calib)
+    test = build_native(config.config, progress=config.progress)
     ctx = min(config.fidelity_ctx, ref.model.args.max_seq_len)
-    return wikitext_fidelity(ref, test, data_dir, ctx, config.fidelity_windows,
-                             test_cache_factory=_cache_factory(config.kv))
+    return wikitext_fidelity(ref, test.lm, data_dir, ctx, config.fidelity_windows,
+                             test_cache_factory=test.cache_factory)
 
 
 def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str) -> FidelityStats | None:

@@ -17,10 +17,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rich.progress import track
 
-from runtime.loading import LoadedModel, load_model
+from evals.build import build_native
+from evals.config import Config
+from runtime.loading import LoadedModel
 from runtime.generate import eos_token_ids
-from quant.quantize import quantize_fresh
-from quant.kvcache import make_cache_factory
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -63,7 +63,7 @@ class PrefixScorer:
 
 @register_model("quantspec")
 class NativeLM(TemplateLM):
-    """lm-eval model over ``runtime.loading.load_model`` (+ optional ``quantize_model`` and KV cache spec)."""
+    """lm-eval model over ``runtime.loading.load_model`` (+ optional scheme and KV cache spec, built by ``evals.build``)."""
 
     def __init__(self, pretrained: str = "default", scheme: str | None = None, method: str = "rtn",
                  kv: str | None = None, dtype: str = "fp32", max_length: int | None = None,
@@ -71,11 +71,9 @@ class NativeLM(TemplateLM):
                  cache_factory=None, **_):
         super().__init__()
         if loaded is None:
-            loaded = load_model(pretrained, dtype, int(threads) if threads else None)
-            if scheme:
-                quantize_fresh(loaded, scheme, method)
-            if kv:
-                cache_factory = make_cache_factory(kv)
+            built = build_native(Config.parse(model=pretrained, scheme=scheme, method=method, kv=kv, dtype=dtype),
+                                 int(threads) if threads else None)
+            loaded, cache_factory = built.lm, built.cache_factory
         self.lm = loaded
         self.tokenizer = loaded.tokenizer
         self.cache_factory = cache_factory

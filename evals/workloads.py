@@ -15,6 +15,7 @@ from typing import Callable
 from evals.backends.base import Request
 from runtime.data import find_data_dir, load_prompts
 from runtime.errors import UserError
+from runtime.registry import Registry
 from runtime.generate import encode_prompt
 
 FALLBACK_TEXT = (  # used for synthetic shapes when no data dir is configured
@@ -41,19 +42,19 @@ class WorkloadArgs:
     seed: int
 
 
-WORKLOADS: dict[str, WorkloadSpec] = {}
+WORKLOADS: Registry[WorkloadSpec] = Registry("workload")
 
 
 def register_workload(name: str, description: str, default_output_len: int):
     def deco(fn):
-        WORKLOADS[name] = WorkloadSpec(name, description, fn, default_output_len)
+        WORKLOADS.add(name, WorkloadSpec(name, description, fn, default_output_len))
         return fn
 
     return deco
 
 
 def _output_len(args: WorkloadArgs, name: str) -> int:
-    return args.output_len or WORKLOADS[name].default_output_len
+    return args.output_len or WORKLOADS.get(name).default_output_len
 
 
 def _real_prompts(source: str, args: WorkloadArgs) -> list[str]:
@@ -118,7 +119,7 @@ def build_requests(workload: str, tokenizer, num_prompts: int = 16, output_len: 
         raise UserError(f"--output-len must be >= 1, got {output_len}")
     args = WorkloadArgs(tokenizer, num_prompts, output_len, data_dir, seed)
     if workload in WORKLOADS:
-        pairs, source = WORKLOADS[workload].build(args), f"{workload}: {WORKLOADS[workload].description}"
+        pairs, source = WORKLOADS.get(workload).build(args), f"{workload}: {WORKLOADS.get(workload).description}"
     elif workload.endswith(".jsonl") and Path(workload).exists():
         n_out = output_len or 128
         pairs, source = [(p, n_out) for p in _real_prompts(workload, args)], f"JSONL {workload}"

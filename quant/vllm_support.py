@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from runtime.errors import UserError
+from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, asked through this module)
 from quant.scheme import QuantScheme, parse_scheme
 from runtime.hardware import vllm_ops
+
+__all__ = ["VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
 
 
 @dataclass(frozen=True)

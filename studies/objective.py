@@ -4,10 +4,11 @@ Evaluators register by name (``real`` is the default and the only one shipped); 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 from runtime.errors import UserError
+from runtime.registry import Registry
 from studies.space import SearchSpace, TrialConfig, serving_config
 from evals.floor import Floor
 from runtime.data import find_data_dir
@@ -81,22 +82,12 @@ class TrialEvaluator(Protocol):
         """Greedy output tokens on the evaluator's fixed prompts (checks that speculation leaves outputs unchanged)."""
 
 
-EVALUATORS: dict[str, Callable[..., TrialEvaluator]] = {}
-
-
-def register_evaluator(name: str):
-    def wrap(factory):
-        EVALUATORS[name] = factory
-        return factory
-    return wrap
+EVALUATORS: Registry[Callable[..., TrialEvaluator]] = Registry("evaluator")
+register_evaluator = EVALUATORS.register
 
 
 def get_evaluator(name: str, **settings) -> TrialEvaluator:
-    try:
-        factory = EVALUATORS[name]
-    except KeyError:
-        raise UserError(f"unknown evaluator {name!r}: use one of {', '.join(EVALUATORS)}") from None
-    return factory(**settings)
+    return EVALUATORS.get(name)(**settings)
 
 
 @register_evaluator("real")
@@ -140,10 +131,9 @@ class RealEvaluator:
         resolve_model(space.model)
 
     def quality(self, config: TrialConfig) -> QualityResult:
+        point = replace(config.transformation, backend="native", dtype="bf16")
         report = evaluate(EvalConfig(
-            model=config.model, scheme=None if config.scheme == "none" else config.scheme,
-            method=config.method or "rtn", kv=None if config.kv == "none" else config.kv, backend="native",
-            tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir, dtype="bf16",
+            point, tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir,
             fidelity_windows=self.fidelity_windows, progress=False))
         floor = Floor.parse(self.floor)
 
@@ -155,7 +145,7 @@ class RealEvaluator:
         return QualityResult(
             value=value(worst), passes=report.passed, accuracy=worst.acc_test, reference_accuracy=worst.acc_ref,
             delta=worst.delta, ci=tuple(worst.delta_ci), flips=worst.flips.total,
-            kl=fid.mean_kl if fid else (0.0 if config.scheme == "none" and config.kv == "none" else None),
+            kl=fid.mean_kl if fid else (0.0 if not config.quantized_weights and config.kv == "none" else None),
             perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
 
     def speed(self, config: TrialConfig) -> SpeedResult:

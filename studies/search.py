@@ -171,7 +171,10 @@ class TrialRunner:
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         trial.set_user_attr(WORKER_ATTR, worker_id())
         self._refuse_surplus(trial)
-        config = self.space.suggest(trial)
+        try:
+            config = self.space.suggest(trial)
+        except UserError as exc:  # a combination that does not parse (e.g. weights that carry activations)
+            self._prune(trial, str(exc))
         trial.set_user_attr("config", config.to_dict())
         trial.set_user_attr("label", config.label)
         reason = invalid_reason(config)

@@ -1,84 +1,33 @@
 """The search space: backend x weight scheme (+ method) x activation scheme x KV scheme x proposer x K.
 
 Declared in a small YAML file (``studies/spaces/*.yaml``) and overridable by CLI flags. Each Optuna trial
-samples one ``TrialConfig``; points a backend cannot run are rejected by the registered validity checks,
-which return a reason (the search prunes the trial and stores the reason) instead of crashing.
+samples one ``evals.config.Config`` (``TrialConfig`` is that class); points a backend cannot run are rejected
+by the registered validity checks, which return a reason (the search prunes the trial and stores the reason)
+instead of crashing. What a backend can run is the backend's own ``check``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
 from runtime.errors import UserError
-from quant.scheme import parse_scheme, check_group_fits
+from runtime.registry import Registry
+from quant.scheme import check_group_fits
 from quant.methods import METHODS
 from runtime.loading import read_config
 from runtime.model_store import resolve_model
-from quant.kvcache import parse_kv_spec, vllm_kv_cache_dtype
-from specdec.proposers import PROPOSERS
-from evals.backends.vllm_engine import speculative_config
-from quant.vllm_support import vllm_support
+from evals.backends import BACKENDS
 from evals.backends.base import ServingConfig
+from evals.config import NONE, Config, parse_activations
+from quant.kvcache import parse_kv_spec
+from quant.scheme import parse_scheme
+from specdec.proposers.base import parse_proposer_spec
 
 SPACES_DIR = Path(__file__).parent / "spaces"
-BACKENDS = ("native", "vllm")
-NONE = "none"
-
-
-@dataclass(frozen=True)
-class TrialConfig:
-    """One point of the space: everything that decides speed and quality of a serving configuration."""
-
-    model: str = "default"
-    backend: str = "native"
-    weights: str = NONE  # weight scheme label, e.g. w4g32-asym
-    method: str | None = None  # weight method (rtn, gptq, ...) when weights are quantized
-    activations: str = NONE  # activation part of the scheme, e.g. a8tok-dyn
-    kv: str = NONE  # KV-cache spec, e.g. int8
-    proposer: str = NONE  # proposer spec, e.g. ngram:min=2,max=4
-    k: int | None = None  # speculated tokens per step when a proposer is set
-
-    @property
-    def scheme(self) -> str:
-        """The combined quant.scheme label (``none``, ``w8ch-sym``, ``w8ch-sym_a8tok-dyn``)."""
-        if self.weights == NONE:
-            return NONE
-        return self.weights if self.activations == NONE else f"{self.weights}_{self.activations}"
-
-    @property
-    def speculative(self) -> bool:
-        return self.proposer != NONE
-
-    @property
-    def transformation(self) -> "TrialConfig":
-        """The same model transformation without speculation: exact verification makes quality depend on this only."""
-        return replace(self, proposer=NONE, k=None)
-
-    @property
-    def quality_key(self) -> str:
-        """Cache key of quality: model, scheme, method and KV format (not the proposer, not the backend:
-        quality is scored once on the native runtime and vLLM points of the same transformation reuse it)."""
-        return f"{self.model}|{self.scheme}|{self.method or '-'}|kv={self.kv}"
-
-    @property
-    def label(self) -> str:
-        parts = [self.scheme + (f"+{self.method}" if self.method else "")]
-        if self.kv != NONE:
-            parts.append(f"kv-{self.kv}")
-        if self.speculative:
-            parts.append(f"{self.proposer} K={self.k}")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrialConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+TrialConfig = Config  # one configuration point: the search stores ``Config.to_dict()`` in user_attrs
 
 
 @dataclass
@@ -93,6 +42,7 @@ class SearchSpace:
     kv: list[str] = field(default_factory=lambda: [NONE])
     proposers: list[str] = field(default_factory=lambda: [NONE])
     k: tuple[int, int] = (1, 8)
+    smoothquant: list = field(default_factory=lambda: [NONE])  # SmoothQuant alphas (W8A8 activations only)
 
     def __post_init__(self):
         for name in ("backends", "weights", "methods", "activations", "kv", "proposers"):
@@ -102,9 +52,18 @@ class SearchSpace:
             if not values:
                 raise UserError(f"empty search space: `{name}` has no choices; list at least one (e.g. none)")
             setattr(self, name, [str(v) for v in values])
-        bad = [b for b in self.backends if b not in BACKENDS]
-        if bad:
-            raise UserError(f"unknown backend(s) {bad}: use {', '.join(BACKENDS)}")
+        for b in self.backends:
+            BACKENDS.get(b)
+        for w in self.weights:  # every string is parsed here, once: a bad one fails the space, not a trial
+            parse_scheme(w)
+        for a in self.activations:
+            parse_activations(a)
+        for kv in self.kv:
+            parse_kv_spec(kv)
+        for p in self.proposers:
+            parse_proposer_spec(p)
+        sq = self.smoothquant if isinstance(self.smoothquant, (list, tuple)) else [self.smoothquant]
+        self.smoothquant = [NONE if v in (None, NONE) else float(v) for v in sq] or [NONE]
         k = list(self.k) if isinstance(self.k, (list, tuple)) else [self.k, self.k]
         if len(k) != 2 or not 1 <= int(k[0]) <= int(k[1]) <= 64:
             raise UserError(f"k must be a range [low, high] with 1 <= low <= high <= 64, got {self.k}")
@@ -115,17 +74,21 @@ class SearchSpace:
         """Number of distinct points (K counted only for speculative points)."""
         n_weights = sum(len(self.methods) if w != NONE else 1 for w in self.weights)
         n_spec = sum((self.k[1] - self.k[0] + 1) if p != NONE else 1 for p in self.proposers)
-        return len(self.backends) * n_weights * len(self.activations) * len(self.kv) * n_spec
+        return len(self.backends) * n_weights * len(self.activations) * len(self.kv) * n_spec * len(self.smoothquant)
 
     def reference(self) -> TrialConfig:
         """The unquantized, non-speculative point on the first backend: the speedup and accuracy baseline."""
-        return TrialConfig(model=self.model, backend=self.backends[0])
+        return Config(model=self.model, backend=self.backends[0])
 
     def suggest(self, trial) -> TrialConfig:
         """Sample a point with Optuna's define-by-run API (method and K are conditional parameters)."""
         weights = trial.suggest_categorical("weights", self.weights)
         proposer = trial.suggest_categorical("proposer", self.proposers)
-        return TrialConfig(
+        extra = {}
+        if self.smoothquant != [NONE]:  # a conditional parameter only in spaces that list alphas
+            alpha = trial.suggest_categorical("smoothquant", self.smoothquant)
+            extra["smoothquant"] = None if alpha == NONE else alpha
+        return Config(
             model=self.model,
             backend=trial.suggest_categorical("backend", self.backends),
             weights=weights,
@@ -134,6 +97,7 @@ class SearchSpace:
             kv=trial.suggest_categorical("kv", self.kv),
             proposer=proposer,
             k=trial.suggest_int("k", *self.k) if proposer != NONE else None,
+            **extra,
         )
 
     @staticmethod
@@ -145,10 +109,15 @@ class SearchSpace:
             params["method"] = config.method
         if config.k is not None:
             params["k"] = config.k
+        if config.smoothquant is not None:
+            params["smoothquant"] = config.smoothquant
         return params
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "k": list(self.k)}
+        out = {**asdict(self), "k": list(self.k)}
+        if self.smoothquant == [NONE]:
+            out.pop("smoothquant")  # stored spaces of older studies stay comparable
+        return out
 
 
 def load_space(path: str | Path | None = None, **overrides) -> SearchSpace:
@@ -177,18 +146,12 @@ def load_space(path: str | Path | None = None, **overrides) -> SearchSpace:
 
 # ---- validity checks: each returns None (runnable) or the reason the point is skipped ----
 
-Check = Callable[[TrialConfig], "str | None"]
-CHECKS: dict[str, Check] = {}
+Check = Callable[[Config], "str | None"]
+CHECKS: Registry[Check] = Registry("validity check")
+register_check = CHECKS.register
 
 
-def register_check(name: str):
-    def wrap(fn: Check) -> Check:
-        CHECKS[name] = fn
-        return fn
-    return wrap
-
-
-def invalid_reason(config: TrialConfig) -> str | None:
+def invalid_reason(config: Config) -> str | None:
     """The first reason any registered check gives for not running ``config``; None when it can run."""
     for name, check in CHECKS.items():
         try:
@@ -201,24 +164,25 @@ def invalid_reason(config: TrialConfig) -> str | None:
 
 
 @register_check("scheme")
-def _scheme_parses(config: TrialConfig) -> str | None:
+def _scheme_parses(config: Config) -> str | None:
     if config.weights == NONE and config.activations != NONE:
         return f"activation quantization ({config.activations}) needs a weight scheme"
-    parse_scheme(config.scheme)
+    if config.smoothquant is not None and config.scheme.activations is None:
+        return f"SmoothQuant (alpha {config.smoothquant:g}) needs activation quantization (a W8A8 scheme)"
     return None
 
 
 @register_check("method")
-def _method_known(config: TrialConfig) -> str | None:
+def _method_known(config: Config) -> str | None:
     if config.method is not None and config.method not in METHODS:
         return f"unknown weight method {config.method!r} (registered: {', '.join(METHODS)})"
     return None
 
 
 @register_check("group-size")
-def _groups_fit_model(config: TrialConfig) -> str | None:
+def _groups_fit_model(config: Config) -> str | None:
     """Every quantized Linear's input width must be a multiple of the group size (or the scheme pads)."""
-    scheme = parse_scheme(config.scheme)
+    scheme = config.scheme
     if scheme.weights is None:
         return None
     cfg = read_config(resolve_model(config.model))
@@ -229,35 +193,12 @@ def _groups_fit_model(config: TrialConfig) -> str | None:
     return None
 
 
-@register_check("kv")
-def _kv_runs(config: TrialConfig) -> str | None:
-    parse_kv_spec(config.kv)
-    if config.backend == "vllm":
-        vllm_kv_cache_dtype(config.kv)
-    return None
+@register_check("backend")
+def _backend_runs(config: Config) -> str | None:
+    """The backend's own ``check``: what it can run (schemes, KV formats, proposers) lives with it."""
+    return BACKENDS.get(config.backend).check(config)
 
 
-@register_check("proposer")
-def _proposer_runs(config: TrialConfig) -> str | None:
-    if not config.speculative:
-        return None
-    name = config.proposer.partition(":")[0]
-    if name not in PROPOSERS:
-        return f"unknown proposer {name!r} (registered: {', '.join(sorted(PROPOSERS))})"
-    if config.backend == "vllm":
-        speculative_config(serving_config(config))
-    return None
-
-
-@register_check("vllm-scheme")
-def _vllm_runs_scheme(config: TrialConfig) -> str | None:
-    if config.backend == "vllm":
-        vllm_support(config.scheme)
-    return None
-
-
-def serving_config(config: TrialConfig, **extra):
+def serving_config(config: Config, **extra) -> ServingConfig:
     """The benchmark harness's ``ServingConfig`` for a trial point."""
-    return ServingConfig(model=config.model, scheme=config.scheme, method=config.method or "rtn", kv=config.kv,
-                         spec=config.proposer if config.speculative else None, backend=config.backend,
-                         **({"k": config.k} if config.k else {}), **extra)
+    return ServingConfig(config, **extra)

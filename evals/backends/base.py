@@ -2,51 +2,75 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from evals.config import Config
 from runtime.errors import UserError
+from runtime.registry import Registry
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ServingConfig:
-    """One point of the search space: model + weight/activation scheme + KV format + proposer + K + backend."""
+    """A configuration point (``evals.config.Config``) plus run-only serving settings.
 
-    model: str = "default"
-    scheme: str = "none"  # quant.scheme label or preset (weights + activations)
-    method: str = "rtn"  # weight quantization method (quant.methods registry)
-    kv: str = "none"  # KV-cache format (quant.kvcache spec: none = bf16 cache, fp8, kivi4, ...)
-    spec: str | None = None  # proposer spec (specdec.proposers grammar, e.g. "ngram:min=2,max=4"); None = plain
-    k: int = 4  # draft tokens per verification step
-    backend: str = "native"
+    ``ServingConfig(config, temperature=..)``, or from strings as before: ``ServingConfig(model=.., scheme=..,
+    kv=.., spec=.., k=.., backend=..)`` parses them once into the ``Config``."""
+
+    config: Config
     temperature: float = 0.0
     max_model_len: int = 1024
     threads: int | None = None
     port: int = 0  # vllm serve port for open-loop runs (0 = a free one); not part of the config's identity
 
-    def __post_init__(self):
+    def __init__(self, config: Config | None = None, *, temperature: float = 0.0, max_model_len: int = 1024,
+                 threads: int | None = None, port: int = 0, **point):
+        if isinstance(config, str):  # ServingConfig("model dir", ...) as before
+            config, point = None, {"model": config, **point}
+        if config is None:
+            config = Config.parse(**point)
+        elif point:
+            raise TypeError(f"pass either a Config or its strings, not both ({', '.join(point)})")
+        for name, value in (("config", config), ("temperature", temperature), ("max_model_len", max_model_len),
+                            ("threads", threads), ("port", port)):
+            object.__setattr__(self, name, value)
         if self.max_model_len < 16:
             raise UserError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
 
+    # read-only views of the configuration point
+    model = property(lambda self: self.config.model)
+    backend = property(lambda self: self.config.backend)
+    kv = property(lambda self: self.config.kv)
+    k = property(lambda self: self.config.k)
+    speculative = property(lambda self: self.config.speculative)
+    spec_label = property(lambda self: self.config.spec_label)
+
     @property
-    def speculative(self) -> bool:
-        return bool(self.spec) and self.spec != "none"
+    def scheme(self) -> str:
+        return self.config.scheme_label
+
+    @property
+    def method(self) -> str:
+        return self.config.method or "rtn"
+
+    @property
+    def spec(self) -> str | None:
+        return self.config.proposer if self.speculative else None
 
     def without_spec(self) -> "ServingConfig":
-        return replace(self, spec=None)
-
-    @property
-    def spec_label(self) -> str:
-        return f"{self.spec} K={self.k}" if self.speculative else "no spec"
+        return replace(self, config=self.config.without_spec())
 
     @property
     def label(self) -> str:
         return f"{self.backend}/{self.scheme}/kv={self.kv}/{self.spec_label}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"model": self.model, "scheme": self.scheme, "method": self.method, "kv": self.kv, "spec": self.spec,
+                "k": self.k, "backend": self.backend, "temperature": self.temperature,
+                "max_model_len": self.max_model_len, "threads": self.threads, "port": self.port,
+                "config": self.config.to_dict()}
 
 
 @dataclass
@@ -128,8 +152,10 @@ class Backend:
         self.warm_runs: dict[str, int] = {}  # engine -> measured runs since its warm-up
 
     @classmethod
-    def check(cls, config: ServingConfig) -> None:
-        """Refuse a configuration this backend cannot run, cheaply and before any engine starts."""
+    def check(cls, config: "Config | ServingConfig") -> str | None:
+        """Why this backend cannot run ``config`` (one line naming the alternative), or None. Cheap: called
+        before anything loads. A ``ServingConfig`` also carries run settings (temperature) a backend may need."""
+        return None
 
     def tokenizer(self):
         raise NotImplementedError
@@ -184,7 +210,7 @@ class EngineFailure(Exception):
         self.log_tail = log_tail
 
 
-BACKENDS: dict[str, type[Backend]] = {}
+BACKENDS: Registry[type[Backend]] = Registry("backend")
 
 
 def register_backend(name: str):
@@ -192,24 +218,17 @@ def register_backend(name: str):
     def deco(cls: type[Backend]) -> type[Backend]:
         assert name not in BACKENDS, f"backend {name!r} registered twice"
         cls.name = name
-        return BACKENDS.setdefault(name, cls)
+        return BACKENDS.add(name, cls)
 
     return deco
 
 
-def split_k(spec: str | None) -> tuple[str | None, int | None]:
-    """``ngram:k=4,max=4`` -> (``ngram:max=4``, 4): K may ride in the proposer spec on the command line."""
-    if not spec or spec == "none":
-        return None, None
-    name, _, arg = spec.partition(":")
-    items = [x.strip() for x in arg.split(",") if x.strip()]
-    ks = [x for x in items if x.startswith("k=")]
-    rest = ",".join(x for x in items if not x.startswith("k="))
+def check_config(config: Config) -> str | None:
+    """Why ``config`` cannot run on its backend (one line naming the alternative), or None; nothing loads."""
     try:
-        k = int(ks[-1][2:]) if ks else None
-    except ValueError:
-        raise UserError(f"--spec {spec!r}: k must be an integer, e.g. ngram:k=4") from None
-    return (f"{name}:{rest}" if rest else name), k
+        return BACKENDS.get(config.backend).check(config)
+    except UserError as exc:
+        return str(exc)
 
 
 def now() -> float:

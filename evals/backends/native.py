@@ -12,15 +12,17 @@ import time
 
 import torch
 
+from dataclasses import replace
+
 from evals.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
                                  check_fits, now, register_backend)
+from evals.build import build_native
+from evals.config import Config  # noqa: F401  (check() takes one)
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.generate import Decoder
 from runtime.sampling import SamplingConfig
-from runtime.loading import load_model
-from quant.quantize import quantize_fresh
-from quant.kvcache import make_cache_factory
+from specdec.proposers.base import build_proposer
 from specdec.speculative import SpeculativeDecoder
 
 
@@ -31,26 +33,34 @@ class NativeBackend(Backend):
 
     def __init__(self, config: ServingConfig):
         super().__init__(config)
-        self.lm = load_model(config.model, "bf16", config.threads, "eager")  # batch-invariant: exact speculation
-        self.quant_report = None
-        self.scheme_info = self._quantize()
+        reason = self.check(config)
+        if reason:
+            raise UserError(reason)
+        point = config.config
+        # bf16 with eager attention: batch-invariant rows, so speculation is token-exact
+        point = replace(point, dtype="bf16", attention=point.attention or "eager")
+        built = build_native(point, config.threads)
+        self.lm, self.quant_report = built.lm, built.report
+        self.scheme_info = built.scheme_info
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
-        self.decoder = self._decoder()
+        self.decoder = self._decoder(built.cache_factory)
         self.counters = SpecCounters() if config.speculative else None
 
-    def _quantize(self) -> str:
-        if self.config.scheme == "none":
-            return "bf16"
-        self.quant_report = quantize_fresh(self.lm, self.config.scheme, self.config.method, progress=False)
-        return self.quant_report.scheme.label
+    @classmethod
+    def check(cls, config: "Config | ServingConfig") -> str | None:
+        point = config.config if isinstance(config, ServingConfig) else config
+        if point.speculative and point.kv_spec is not None:
+            return (f"native speculative decoding keeps a bf16 KV cache: drop --kv {point.kv} or --spec "
+                    "(or use --backend vllm, which speculates over an fp8 KV cache)")
+        if point.weights == "none" and point.activations != "none":
+            return f"activation quantization ({point.activations}) needs a weight scheme, e.g. w8ch-sym"
+        return None
 
-    def _decoder(self):
-        cache_factory = make_cache_factory(self.config.kv)
+    def _decoder(self, cache_factory):
         if not self.config.speculative:
             return Decoder(self.lm, self.config.max_model_len, cache_factory)
-        if cache_factory is not None:
-            raise UserError(f"native speculative decoding keeps a bf16 KV cache; drop --kv {self.config.kv} or --spec")
-        return SpeculativeDecoder(self.lm, self.config.spec, self.config.k, self.sampling, self.config.max_model_len)
+        proposer = build_proposer(self.config.config.proposer_spec, self.lm)
+        return SpeculativeDecoder(self.lm, proposer, self.config.k, self.sampling, self.config.max_model_len)
 
     def _generate(self, request: Request):
         if self.config.speculative:

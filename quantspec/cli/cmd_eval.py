@@ -69,9 +69,12 @@ def eval_command(
     include_path: list[str] = typer.Option([], "--include-path", help="Extra lm-eval task folder(s)."),
     json_out: str = typer.Option(None, "--json", help="Write lm-eval-shaped results + run record here."),
     data_dir: str = DataDirOption,
+    smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
+                                      help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
 ):
     """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
-    config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, tasks=tasks, limit=limit,
+    config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, smoothquant=smoothquant,
+                        tasks=tasks, limit=limit,
                         fewshot=fewshot, floor=floor, confidence=confidence, seed=seed, data_dir=data_dir,
                         include_path=tuple(include_path), dtype=dtype, reference=not no_reference, reference_model=reference_model,
                         fidelity_windows=fidelity_windows)

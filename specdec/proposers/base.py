@@ -7,6 +7,7 @@ import torch
 
 from runtime.errors import UserError
 from runtime.loading import LoadedModel
+from runtime.registry import Registry
 from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
 
 
@@ -69,25 +70,64 @@ class AutoregressiveDraft(Proposer):
         return Proposal(tokens, torch.stack(qs) if qs else None)
 
 
-PROPOSERS: dict[str, type[Proposer]] = {}
+PROPOSERS: Registry[type[Proposer]] = Registry("proposer")
+PROPOSER_EXAMPLES = "e.g. ngram:min=2,max=4, draft:PATH, layerskip:8, selfquant:w4g32-asym; K as k=4"
 
 
 def register_proposer(name: str):
     def deco(cls: type[Proposer]) -> type[Proposer]:
         cls.name = name
-        PROPOSERS[name] = cls
-        return cls
+        return PROPOSERS.add(name, cls)
 
     return deco
 
 
-def build_proposer(spec: str, target: LoadedModel) -> Proposer:
-    """``NAME[:ARG]`` -> a proposer for ``target``; unknown names are a UserError listing the known ones."""
-    name, _, arg = spec.strip().partition(":")
+@dataclass(frozen=True)
+class ProposerSpec:
+    """A parsed proposer string ``NAME[:ARG]``; a ``k=K`` item inside ARG is lifted out into ``k``."""
+
+    name: str
+    arg: str = ""
+    k: int | None = None  # K given inside the string (``ngram:k=4``), else None
+
+    @property
+    def label(self) -> str:
+        """The proposer string without K (what ``build_proposer`` and the stored configuration use)."""
+        return f"{self.name}:{self.arg}" if self.arg else self.name
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def parse_proposer_spec(text: "str | ProposerSpec | None") -> ProposerSpec | None:
+    """The one parser of proposer strings: None / "" / "none" -> None; an unknown name is a one-line UserError."""
+    if text is None or isinstance(text, ProposerSpec):
+        return text
+    text = text.strip()
+    if not text or text.lower() == "none":
+        return None
+    name, _, arg = text.partition(":")
+    name = name.strip()
     if name not in PROPOSERS:
-        raise UserError(f"unknown proposer {name!r}: use one of {', '.join(sorted(PROPOSERS))} "
-                        "(e.g. ngram:min=2,max=4, draft:PATH, layerskip:8, selfquant:w4g32-asym)")
-    return PROPOSERS[name].from_spec(arg, target)
+        raise UserError(f"unknown proposer {name!r}: use one of {', '.join(sorted(PROPOSERS))} ({PROPOSER_EXAMPLES})")
+    items = [x.strip() for x in arg.split(",") if x.strip()]
+    ks = [x for x in items if x.startswith("k=")]
+    rest = ",".join(x for x in items if not x.startswith("k="))
+    try:
+        k = int(ks[-1][2:]) if ks else None
+    except ValueError:
+        raise UserError(f"proposer {text!r}: k must be an integer, e.g. ngram:k=4") from None
+    if k is not None and not 1 <= k <= 64:
+        raise UserError(f"proposer {text!r}: k must be in 1..64, got {k}")
+    return ProposerSpec(name, rest, k)
+
+
+def build_proposer(spec: "str | ProposerSpec", target: LoadedModel) -> Proposer:
+    """``NAME[:ARG]`` -> a proposer for ``target``; unknown names are a UserError listing the known ones."""
+    parsed = parse_proposer_spec(spec)
+    if parsed is None:
+        raise UserError(f"no proposer given ({PROPOSER_EXAMPLES})")
+    return PROPOSERS.get(parsed.name).from_spec(parsed.arg, target)
 
 
 def parse_params(arg: str, allowed: dict[str, type], proposer: str) -> dict:

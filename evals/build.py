@@ -1,0 +1,75 @@
+"""The one native builder: ``Config`` -> loaded, quantized model + KV-cache factory, and the weights-hash memo.
+
+Every native path (lm-eval scoring, fidelity, the native serving backend, a search trial) builds its model here:
+load -> quantize (``quantize_fresh``; static activation scales and SmoothQuant through ``quantize_w8a8``) ->
+KV cache factory (static KV scales calibrated on the calibration set when the spec asks for them).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from evals.config import Config
+from quant.calibration import CalibConfig, calibration_batches
+from quant.kvcache import calibrate_kv_scales, make_cache_factory
+from quant.quantize import QuantReport, quantize_fresh, quantize_w8a8
+from runtime.loading import LoadedModel, load_model
+from runtime.model_store import resolve_model, weights_hash
+
+
+@dataclass
+class Built:
+    """What ``build_native`` returns: the model, its KV-cache factory (None = dense cache), the quant report."""
+
+    lm: LoadedModel
+    cache_factory: object = None
+    report: QuantReport | None = None
+
+    @property
+    def scheme_info(self) -> str:
+        return self.report.scheme.label if self.report else "bf16"
+
+
+def build_native(config: Config, threads: int | None = None, progress: bool = False) -> Built:
+    """Load ``config.model`` in ``config.dtype``, quantize it as ``config`` says, make its KV cache factory."""
+    if config.attention is None:
+        lm = load_model(config.model, config.dtype, threads)
+    else:
+        lm = load_model(config.model, config.dtype, threads, config.attention)
+    report = quantize(lm, config, progress)
+    return Built(lm, kv_cache_factory(lm, config), report)
+
+
+def quantize(lm: LoadedModel, config: Config, progress: bool = False) -> QuantReport | None:
+    """Quantize ``lm`` in place per ``config`` (None when its weights stay unquantized)."""
+    if not config.quantized_weights:
+        return None
+    if config.needs_w8a8_path:
+        return quantize_w8a8(lm, config.scheme, config.method, config.calib, observer=config.observer,
+                             smoothquant=config.smoothquant, progress=progress)
+    return quantize_fresh(lm, config.scheme, config.method, config.calib, progress=progress)
+
+
+def kv_cache_factory(lm: LoadedModel, config: Config):
+    """The KV-cache factory of ``config`` for ``lm`` (static scales calibrated on ``lm`` when needed)."""
+    if config.kv_spec is None:
+        return None
+    scales = None
+    if config.needs_kv_calibration:
+        batches = calibration_batches(config.calib or CalibConfig(samples=8), lm)
+        scales = calibrate_kv_scales(lm.model, [torch.tensor([b]) for b in batches], config.kv_spec)
+    return make_cache_factory(config.kv_spec, scales)
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_of(path: str, mtime: float) -> str:
+    return weights_hash(Path(path))
+
+
+def model_weights_hash(model: str) -> str:
+    """``weights_hash`` of a model argument, computed once per process and checkpoint version."""
+    path = resolve_model(model)
+    return _hash_of(str(path), max((f.stat().st_mtime for f in path.glob("*.safetensors")), default=0.0))
