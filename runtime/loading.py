@@ -16,6 +16,10 @@ from runtime.transformer import ATTENTION, ModelArgs, Transformer
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # quantization_config["quant_method"] -> fn(path, config, dtype) -> Transformer; quant/ registers its formats.
 CHECKPOINT_FORMATS: Registry = Registry("checkpoint format (import quant to register compressed-tensors)")
+# One default for every command and API call: bf16 is the precision the low-bit kernels, the KV formats and
+# batch-invariant speculation run at on this CPU, so speed and quality are measured on the same build; ask for
+# fp32 (--dtype fp32) when you want an unrounded reference.
+DEFAULT_DTYPE = "bf16"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 

@@ -12,15 +12,27 @@ from typing import Callable
 
 import torch
 
+from runtime.errors import UserError
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer
 from runtime.sampling import SamplingConfig
-from specdec.speculative import MAX_K, SpeculativeDecoder
+from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
 from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
 
 Tick = Callable[[str], None]
+
+
+def parse_ks(text: str) -> list[int]:
+    """"1,2,4,8" -> [1, 2, 4, 8], each a valid draft length."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--k must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not ks:
+        raise UserError("--k needs at least one value, e.g. --k 1,2,4,8")
+    return [check_k(k) for k in ks]
 
 
 @torch.inference_mode()
