@@ -50,7 +50,7 @@ def model_condition(target: str, lm: LoadedModel) -> ModelCondition:
 def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: SamplingConfig, source: str,
                  prompts: list[list[int]], max_new_tokens: int, sweep: SweepResult) -> RunRecord:
     lengths = [len(p) for p in prompts]
-    emitted, ignore_eos = sweep.baseline["output_tokens"], sweep.ignore_eos
+    emitted, ignore_eos = sweep.baseline.output_tokens, sweep.ignore_eos
     output = {"fixed": max_new_tokens} if ignore_eos else {
         "max": max_new_tokens, "stop": "end of turn", "mean": sum(emitted) / len(emitted), "min": min(emitted)}
     return RunRecord(
@@ -69,9 +69,9 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
                                         "(greedy_equal = identical requests); " + (
                                             "ignore_eos, fixed output length" if ignore_eos else
                                             "stop at end of turn (same tokens for plain and greedy speculation)")),
-        results={"proposer": proposer, "baseline": sweep.baseline, "rows": sweep.rows,
+        results={"proposer": proposer, "baseline": sweep.baseline.to_dict(), "rows": [r.to_dict() for r in sweep.rows],
                  "verify_cost_curve": sweep.verify_cost, "best_k_measured": sweep.best_k,
-                 "best_k_theory": best_k(sweep.rows[-1]["beta"], sweep.rows[-1]["c"],
+                 "best_k_theory": best_k(sweep.rows[-1].stats.beta, sweep.rows[-1].c,
                                          lambda k: sweep.verify_cost[min(k, len(sweep.verify_cost) - 1)],
                                          k_max=len(sweep.verify_cost) - 1)},
     )
