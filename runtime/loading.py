@@ -37,7 +37,8 @@ class LoadedModel:
 
 
 def checkpoint_loader(config: dict):
-    """The loader registered for a quantized checkpoint's ``quant_method``."""
+    """The loader registered for a quantized checkpoint's ``quant_method``: ``(path, config, dtype, attention)
+    -> Transformer``."""
     return CHECKPOINT_FORMATS.get(config["quantization_config"].get("quant_method", "compressed-tensors"))
 
 
@@ -74,13 +75,13 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                placeholders: tuple[str, ...] = (), source: str = "checkpoint") -> Transformer:
+                placeholders: tuple[str, ...] = (), source: str = "checkpoint", attention: str = "sdpa") -> Transformer:
     """Instantiate the native Transformer and load a dense HF state dict into it.
 
     Modules named in ``placeholders`` become ``nn.Identity`` (the caller puts quantized layers there)."""
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, attention)
     for name in placeholders:
         model.set_submodule(name, torch.nn.Identity())
     model = model.to_empty(device="cpu")
@@ -111,8 +112,7 @@ def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int
     path = resolve_model(name)
     config = read_config(path)
     if "quantization_config" in config:
-        model = checkpoint_loader(config)(path, config, torch_dtype)
+        model = checkpoint_loader(config)(path, config, torch_dtype, attn_implementation)
     else:
-        model = build_model(config, load_state_dict(path), torch_dtype)
-    model.attn_implementation = attn_implementation
+        model = build_model(config, load_state_dict(path), torch_dtype, attention=attn_implementation)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)

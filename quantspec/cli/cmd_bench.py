@@ -86,7 +86,8 @@ def bench(
     kv: str = typer.Option("none", help="KV-cache format: none (bf16), fp8, kivi4, k8tok-v4chg32, ..."),
     spec: str = typer.Option(None, help="Proposer, e.g. ngram:k=4, ngram:min=2,max=4, draft:PATH (default: none)."),
     k: int = typer.Option(4, "--k", help="Draft tokens per step (a k= inside --spec wins)."),
-    backend: str = typer.Option("native", help="native (batch-1, requests queue) or vllm (continuous batching)."),
+    backend: str = typer.Option("native", help="native (batch-1, requests queue) or vllm (continuous batching); "
+                                               "both serve bf16, the default dtype of every command."),
     workload: str = typer.Option("short-short", help="spec_bench, mt_bench, short-short, long-short, short-long, "
                                                     "mix, or a prompts .jsonl path."),
     concurrency: str = typer.Option(None, help="Closed-loop client counts, e.g. 1,4,16 (default 1)."),
