@@ -8,7 +8,7 @@ from pathlib import Path
 
 from evals.decode_speed import compare_decode
 from runtime.hardware import probe
-from quantspec.cli.cmd_generate import print_decode_comparison
+from quantspec.report import print_decode_comparison
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -19,7 +19,9 @@ from evals.record import RunRecord
 from runtime.loading import load_model
 from specdec.proposers import build_proposer
 from runtime.sampling import SamplingConfig
-from quantspec.cli.cmd_specdec import measure_acceptance, parse_ks, print_sweep
+import quantspec
+from quantspec.report import print_sweep
+from specdec.sweep import parse_ks
 
 SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
@@ -75,7 +77,7 @@ if __name__ == "__main__":
     for spec in args.proposer or ["ngram:min=2,max=4", "selfquant:w4g32-asym"]:
         proposer = build_proposer(spec, lm)
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            record = measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
+            record = quantspec.measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
                                         f"spec_bench: first {args.per_category} of each task {tasks}",
                                         args.max_new_tokens, SamplingConfig(temperature, seed=0), reference,
                                         ignore_eos=not args.natural_eos)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UserError
+from runtime.registry import Registry
 from quant.scheme import ActSpec
 
 INT8_MAX = 127
@@ -74,19 +75,15 @@ class SamplingObserver(Observer):
         self.samples = [kept]
 
 
-OBSERVERS: dict[str, type[Observer]] = {}
+OBSERVERS: Registry[type[Observer]] = Registry("observer")
 
 
 def register_observer(cls: type[Observer]) -> type[Observer]:
-    OBSERVERS[cls.name] = cls
-    return cls
+    return OBSERVERS.add(cls.name, cls)
 
 
 def make_observer(name: str, **kwargs) -> Observer:
-    try:
-        return OBSERVERS[name](**kwargs)
-    except KeyError:
-        raise UserError(f"unknown observer {name!r}: use one of {', '.join(sorted(OBSERVERS))}") from None
+    return OBSERVERS.get(name)(**kwargs)
 
 
 @register_observer

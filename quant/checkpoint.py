@@ -169,7 +169,7 @@ def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
     return q.to(torch.int8), scale, zero
 
 
-def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transformer:
+def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention: str = "sdpa") -> Transformer:
     """Build the native Transformer from a compressed-tensors checkpoint, quantized layers on real kernels."""
     qconfig = QuantizationConfig.model_validate(config["quantization_config"])
     groups = [g for g in qconfig.config_groups.values() if isinstance(g, QuantizationScheme)]
@@ -186,7 +186,7 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype) -> Transf
     input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
 
     # dense parts first: the quantized layers' scales keep the dtype they were saved in
-    model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path))
+    model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path), attention=attention)
     for name, (q, scale, zero) in layers.items():
         model.set_submodule(name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
                                                    scheme.activations, dtype))

@@ -40,6 +40,7 @@ from quant.actquant import fake_quantize_activation
 from quant.qmath import dequantize
 from quant.scheme import ActSpec, WeightSpec
 from runtime.errors import UserError
+from runtime.registry import Registry
 from runtime.hardware import row_invariance
 from runtime.packed_linear import DensePack
 
@@ -68,21 +69,18 @@ class Kernel(nn.Module):
         return self.name
 
 
-KERNELS: dict[str, type[Kernel]] = {}
+KERNELS: Registry[type[Kernel]] = Registry("kernel")
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:
-    KERNELS[cls.name] = cls
-    return cls
+    return KERNELS.add(cls.name, cls)
 
 
 def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
                   kernel: str | None = None) -> type[Kernel]:
     """The named kernel (checked), or the highest-priority kernel that supports this format and shape."""
     if kernel is not None:
-        if kernel not in KERNELS:
-            raise UserError(f"unknown kernel {kernel!r}: use one of {', '.join(KERNELS)}")
-        if not KERNELS[kernel].supports(spec, act, *shape):
+        if not KERNELS.get(kernel).supports(spec, act, *shape):
             raise UserError(f"kernel {kernel!r} cannot run {spec.label}{'_' + act.label if act else ''} "
                             f"at shape {list(shape)}")
         return KERNELS[kernel]

@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 from dataclasses import dataclass, field, replace
 
 from runtime.errors import UserError
+from runtime.registry import Registry
 
 SUPPORTED_WEIGHT_BITS = (8, 4, 3, 2)
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
@@ -93,11 +94,12 @@ class QuantScheme:
         return self.label
 
 
-PRESETS: dict[str, QuantScheme] = {}
+PRESETS: Registry[QuantScheme] = Registry("scheme preset")
 
 
-def register_preset(name: str, scheme: QuantScheme) -> None:
-    PRESETS[name.upper()] = scheme
+def register_preset(name: str, scheme: QuantScheme) -> QuantScheme:
+    """Make ``scheme`` available as ``--scheme NAME`` (case-insensitive)."""
+    return PRESETS.add(name.upper(), scheme)
 
 
 register_preset("W8A16", QuantScheme(WeightSpec(8, True, "channel")))

@@ -16,6 +16,10 @@ from runtime.transformer import ATTENTION, ModelArgs, Transformer
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # quantization_config["quant_method"] -> fn(path, config, dtype) -> Transformer; quant/ registers its formats.
 CHECKPOINT_FORMATS: Registry = Registry("checkpoint format (import quant to register compressed-tensors)")
+# One default for every command and API call: bf16 is the precision the low-bit kernels, the KV formats and
+# batch-invariant speculation run at on this CPU, so speed and quality are measured on the same build; ask for
+# fp32 (--dtype fp32) when you want an unrounded reference.
+DEFAULT_DTYPE = "bf16"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -33,7 +37,8 @@ class LoadedModel:
 
 
 def checkpoint_loader(config: dict):
-    """The loader registered for a quantized checkpoint's ``quant_method``."""
+    """The loader registered for a quantized checkpoint's ``quant_method``: ``(path, config, dtype, attention)
+    -> Transformer``."""
     return CHECKPOINT_FORMATS.get(config["quantization_config"].get("quant_method", "compressed-tensors"))
 
 
@@ -70,13 +75,13 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                placeholders: tuple[str, ...] = (), source: str = "checkpoint") -> Transformer:
+                placeholders: tuple[str, ...] = (), source: str = "checkpoint", attention: str = "sdpa") -> Transformer:
     """Instantiate the native Transformer and load a dense HF state dict into it.
 
     Modules named in ``placeholders`` become ``nn.Identity`` (the caller puts quantized layers there)."""
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, attention)
     for name in placeholders:
         model.set_submodule(name, torch.nn.Identity())
     model = model.to_empty(device="cpu")
@@ -107,8 +112,7 @@ def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int
     path = resolve_model(name)
     config = read_config(path)
     if "quantization_config" in config:
-        model = checkpoint_loader(config)(path, config, torch_dtype)
+        model = checkpoint_loader(config)(path, config, torch_dtype, attn_implementation)
     else:
-        model = build_model(config, load_state_dict(path), torch_dtype)
-    model.attn_implementation = attn_implementation
+        model = build_model(config, load_state_dict(path), torch_dtype, attention=attn_implementation)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)

@@ -30,6 +30,12 @@ class Registry(Generic[T]):
         except KeyError:
             raise UserError(f"unknown {self.what} {name!r}: pick one of {', '.join(self._entries) or '(none registered)'}") from None
 
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 

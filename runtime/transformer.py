@@ -174,7 +174,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Parameter names mirror HF's ``model.*`` / ``lm_head`` so HF state dicts load directly."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, attention: str = "sdpa"):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
@@ -186,7 +186,7 @@ class Transformer(nn.Module):
         self.max_len = 0
         self.batch = 0
         self.exit_layer: int | None = None  # layer-skip self-drafting: run only the first N layers
-        self.attn_implementation = "sdpa"  # a name in ATTENTION; "eager" is batch-invariant (exact speculation)
+        self.attn_implementation = attention  # a name in ATTENTION; "eager" is batch-invariant (exact speculation)
 
     def setup_cache(self, batch: int, max_len: int, cache_factory=None) -> None:
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``

@@ -7,20 +7,32 @@ excluded from both; a draft model's own prefill counts against speculation).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
+from runtime.errors import UserError
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer
 from runtime.sampling import SamplingConfig
-from specdec.speculative import MAX_K, SpeculativeDecoder
+from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
 from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
 
 Tick = Callable[[str], None]
+
+
+def parse_ks(text: str) -> list[int]:
+    """"1,2,4,8" -> [1, 2, 4, 8], each a valid draft length."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--k must be comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not ks:
+        raise UserError("--k needs at least one value, e.g. --k 1,2,4,8")
+    return [check_k(k) for k in ks]
 
 
 @torch.inference_mode()
@@ -57,29 +69,90 @@ def draft_length_histogram(stats: AcceptanceStats) -> list[float]:
     return [c / stats.steps for c in counts]
 
 
-def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float]) -> dict:
+@dataclass
+class Predictions:
+    predicted_speedup: float  # Leviathan et al. Thm 3.8
+    refined_speedup: float  # measured mix of draft lengths and verify costs
+    refined_no_mix: float  # every step drafts K, measured verify cost of K
+    draft_length_hist: list[float]  # P(a step carried n draft tokens), n = 0..K
+
+
+def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float]) -> Predictions:
     """Thm 3.8 (every step drafts K, verification costs one decode step) and the refined prediction: the
     measured mix of draft lengths (0..K, as a lookup proposer may find nothing), K·c for the drafted tokens
     and the measured verify cost of each length. Both use β, the per-token acceptance probability."""
     hist = draft_length_histogram(stats)
     tokens = sum(p * expected_tokens(stats.beta, n) for n, p in enumerate(hist))
     cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[n] for n, p in enumerate(hist))
-    return {"predicted_speedup": walltime_speedup(stats.beta, stats.k, c),
-            "refined_speedup": tokens / cost,
-            "refined_no_mix": refined_speedup(stats.beta, stats.k, c, verify_cost[stats.k]),
-            "draft_length_hist": hist}
+    return Predictions(walltime_speedup(stats.beta, stats.k, c), tokens / cost,
+                       refined_speedup(stats.beta, stats.k, c, verify_cost[stats.k]), hist)
+
+
+@dataclass
+class SweepRow:
+    """One K of a sweep: acceptance, measured speed and the predictions (``to_dict`` is the record's row)."""
+    k: int
+    stats: AcceptanceStats
+    tok_s: float
+    speedup: float  # over plain decoding
+    c: float  # proposer seconds per drafted token / plain decode seconds per token
+    verify_cost: float  # V(K) from the verify-cost curve
+    verify_cost_in_run: float
+    predictions: Predictions
+    per_request: list[dict]
+    greedy_equal: int | None = None  # greedy runs: requests token-identical to plain decoding
+    speedup_vs_reference: float | None = None  # with a reference build of the target
+    speedup_ended: float | None = None  # to the end of turn: over the requests that ended
+
+    def to_dict(self) -> dict:
+        p = self.predictions
+        row = {"k": self.k, **self.stats.to_dict(), "tok_s": self.tok_s, "speedup": self.speedup, "c": self.c,
+               "verify_cost": self.verify_cost, "verify_cost_in_run": self.verify_cost_in_run,
+               "predicted_speedup": p.predicted_speedup, "refined_speedup": p.refined_speedup,
+               "refined_no_mix": p.refined_no_mix, "draft_length_hist": p.draft_length_hist,
+               "measured_over_predicted": self.speedup / p.predicted_speedup,
+               "measured_over_refined": self.speedup / p.refined_speedup, "per_request": self.per_request}
+        for key in ("greedy_equal", "speedup_vs_reference", "speedup_ended"):
+            if getattr(self, key) is not None:
+                row[key] = getattr(self, key)
+        return row
+
+
+@dataclass
+class ReferenceRate:
+    attention: str
+    tok_s: float
+    per_request_tok_s: list[float]
+
+
+@dataclass
+class Baseline:
+    """Plain decoding on the same target, prompts, sampling and length (``to_dict`` is the record's baseline)."""
+    tok_s: float
+    step_ms: float
+    requests: int
+    per_request_tok_s: list[float]
+    output_tokens: list[int]
+    ended: list[bool]  # finished at the end of turn
+    reference: ReferenceRate | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if self.reference is None:
+            del out["reference"]
+        return out
 
 
 @dataclass
 class SweepResult:
-    baseline: dict
-    rows: list[dict]
+    baseline: Baseline
+    rows: list[SweepRow]
     verify_cost: list[float]
     ignore_eos: bool = True
 
     @property
     def best_k(self) -> int:
-        return max(self.rows, key=lambda r: r["speedup"])["k"]
+        return max(self.rows, key=lambda r: r.speedup).k
 
 
 def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: list[list[int]],
@@ -124,24 +197,16 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             stats = stats.merge(AcceptanceStats.from_dict(r.stats))
         tok_s, _ = decode_rate(results)
         c = (stats.propose_s / max(stats.draft_tokens, 1)) / step_s
-        row = {"k": k, **stats.to_dict(), "tok_s": tok_s, "speedup": tok_s / plain_tok_s, "c": c,
-               "verify_cost": curve[k], "verify_cost_in_run": stats.verify_s / stats.steps / step_s,
-               **predictions(stats, c, curve)}
-        row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
-        row["measured_over_refined"] = row["speedup"] / row["refined_speedup"]
-        row["per_request"] = [{"alpha": r.stats["alpha"], "tau": r.stats["tau"], "tok_s": r.decode_tokens_per_s,
-                                "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results]
-        if sampling.greedy:
-            row["greedy_equal"] = sum(r.tokens == b.tokens for r, b in zip(results, base))
-        if ref_tok_s:
-            row["speedup_vs_reference"] = tok_s / ref_tok_s
-        if ended_tok_s:
-            row["speedup_ended"] = decode_rate([results[i] for i in ended])[0] / ended_tok_s
-        rows.append(row)
-    baseline = {"tok_s": plain_tok_s, "step_ms": step_s * 1e3, "requests": len(prompts),
-                "per_request_tok_s": [r.decode_tokens_per_s for r in base],
-                "output_tokens": [len(r.tokens) for r in base], "ended": [r.finish_reason == "eos" for r in base]}
-    if reference:
-        baseline["reference"] = {"attention": reference.model.attn_implementation, "tok_s": ref_tok_s,
-                                 "per_request_tok_s": [r.decode_tokens_per_s for r in ref]}
+        rows.append(SweepRow(
+            k, stats, tok_s, tok_s / plain_tok_s, c, curve[k], stats.verify_s / stats.steps / step_s,
+            predictions(stats, c, curve),
+            [{"alpha": r.stats["alpha"], "tau": r.stats["tau"], "tok_s": r.decode_tokens_per_s,
+              "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results],
+            greedy_equal=sum(r.tokens == b.tokens for r, b in zip(results, base)) if sampling.greedy else None,
+            speedup_vs_reference=tok_s / ref_tok_s if ref_tok_s else None,
+            speedup_ended=decode_rate([results[i] for i in ended])[0] / ended_tok_s if ended_tok_s else None))
+    reference_rate = ReferenceRate(reference.model.attn_implementation, ref_tok_s,
+                                   [r.decode_tokens_per_s for r in ref]) if reference else None
+    baseline = Baseline(plain_tok_s, step_s * 1e3, len(prompts), [r.decode_tokens_per_s for r in base],
+                        [len(r.tokens) for r in base], [r.finish_reason == "eos" for r in base], reference_rate)
     return SweepResult(baseline, rows, curve, ignore_eos)

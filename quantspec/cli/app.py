@@ -1,10 +1,18 @@
-"""The typer application every CLI command module registers on."""
+"""The typer application every CLI command module registers on, and the options every command spells alike."""
 import typer
 
+from runtime.loading import DEFAULT_DTYPE
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="quantspec: quantize, speculate, and score speed per effective token against quality.")
+                  help="quantspec: quantize, speculate, and score speed per effective token against quality. "
+                       "Extensions: QUANTSPEC_PLUGINS=mod1,mod2 or --plugin MOD (before the command) imports "
+                       "modules that register methods, proposers, backends.")
 model_app = typer.Typer(no_args_is_help=True, help="Fetch and inspect models.")
 app.add_typer(model_app, name="model")
 
 DataDirOption = typer.Option(None, "--data-dir", envvar="QUANTSPEC_DATA_DIR",
                              help="Offline eval data dir (default: ../shared/data when present).")
+ModelArgument = typer.Argument("default", metavar="MODEL", help="`default`, a local HF dir, or a hub id.")
+SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 | draft:PATH\\[@SCHEME] | layerskip:L | "
+                                              "selfquant:SCHEME | a registered one.")
+DtypeOption = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"bf16 or fp32 (default {DEFAULT_DTYPE}, every command).")

@@ -11,12 +11,12 @@ from rich.table import Table
 from evals.record import write_json_atomic
 from runtime.errors import UserError
 from runtime.hardware import hardware_line
-from quantspec.cli.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, ModelArgument, app
 from evals.loadgen import LoadSpec
-from evals.backends import backend_class, open_backend
+import quantspec
+from evals.backends import backend_class
 from evals.backends.base import ServingConfig
 from evals.serving_metrics import SLO
-from evals.bench_api import run_benchmark
 
 console = Console()
 if not console.is_terminal:
@@ -80,13 +80,14 @@ def _load_label(arrival) -> str:
 
 @app.command()
 def bench(
-    model: str = typer.Option("default", "--model", "-m", help="`default`, a local HF dir, or a hub id."),
+    model: str = ModelArgument,
     scheme: str = typer.Option("none", help="Weight/activation scheme: none, W8A8, W4A16, w4g32-asym, ..."),
     method: str = typer.Option("rtn", help="Weight quantization method."),
     kv: str = typer.Option("none", help="KV-cache format: none (bf16), fp8, kivi4, k8tok-v4chg32, ..."),
     spec: str = typer.Option(None, help="Proposer, e.g. ngram:k=4, ngram:min=2,max=4, draft:PATH (default: none)."),
     k: int = typer.Option(4, "--k", help="Draft tokens per step (a k= inside --spec wins)."),
-    backend: str = typer.Option("native", help="native (batch-1, requests queue) or vllm (continuous batching)."),
+    backend: str = typer.Option("native", help="native (batch-1, requests queue) or vllm (continuous batching); "
+                                               "both serve bf16, the default dtype of every command."),
     workload: str = typer.Option("short-short", help="spec_bench, mt_bench, short-short, long-short, short-long, "
                                                     "mix, or a prompts .jsonl path."),
     concurrency: str = typer.Option(None, help="Closed-loop client counts, e.g. 1,4,16 (default 1)."),
@@ -106,7 +107,7 @@ def bench(
     smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
                                       help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
 ):
-    """Measure effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
+    """Measure MODEL's effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
     loads = load_specs(concurrency, rate, burstiness)
     config = ServingConfig(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=k,
                            backend=backend, smoothquant=smoothquant,
@@ -114,8 +115,14 @@ def bench(
     configs = [config.without_spec(), config] if config.speculative and baseline else [config]
     for c in configs:
         backend_class(c)  # refuse what cannot run before any engine starts
-    runs = run_sweep(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
-                     SLO(slo_ttft, slo_tpot))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        def progress(label: str, total: int):
+            task = bar.add_task(label, total=total)
+            return lambda: bar.advance(task)
+
+        runs = quantspec.benchmark(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
+                                   SLO(slo_ttft, slo_tpot), progress)
     print_results(f"{backend}: {model} {scheme} kv={kv} | {workload}, {num_prompts} prompts", runs)
     if runs[0].record.model.note:
         console.print(f"[yellow]note:[/] {runs[0].record.model.note}")
@@ -127,25 +134,3 @@ def bench(
         print(f"error: measurement failed: {failed[0].summary['error']} (engine log tail in the JSON record)",
               file=sys.stderr)
         raise typer.Exit(1)
-
-
-def run_sweep(configs: list, loads: list, workload: str, num_prompts: int, output_len: int | None,
-              ignore_eos: bool, data_dir, slo) -> list:
-    """Every config at every load, one engine per config reused across loads; speculative configs get the
-    matching no-speculation run as baseline. Stops at the first failed measurement."""
-    runs, baselines = [], {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        for config in configs:
-            with open_backend(config) as engine:
-                for load in loads:
-                    task = bar.add_task(f"{config.label} {load.label}", total=num_prompts)
-                    run = run_benchmark(config, workload, load, backend=engine, num_prompts=num_prompts,
-                                        output_len=output_len, ignore_eos=ignore_eos, data_dir=data_dir, slo=slo,
-                                        baseline=baselines.get(load) if config.speculative else None,
-                                        progress=lambda _r, t=task: bar.advance(t))
-                    runs.append(run)
-                    baselines[load] = run
-                    if run.failed:
-                        return runs
-    return runs

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.record import write_json_atomic
-from quantspec.cli.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, DtypeOption, app
 
 console = Console()
 
@@ -51,7 +51,8 @@ def print_report(report: EvalReport) -> None:
 
 @app.command("eval")
 def eval_command(
-    model: str = typer.Argument("default", help="`default`, a HF dir, or a compressed-tensors checkpoint dir."),
+    model: str = typer.Argument("default", metavar="MODEL",
+                                help="`default`, a HF dir, or a compressed-tensors checkpoint dir."),
     tasks: str = typer.Option("arc_easy", "--tasks", "-t", help="Comma-separated lm-eval task names."),
     scheme: str = typer.Option(None, "--scheme", "-s", help="Weight scheme (e.g. w4g32-asym, W8A16); native only."),
     method: str = typer.Option("rtn", "--method", help="Quantization method (rtn, gptq, ...)."),
@@ -62,7 +63,7 @@ def eval_command(
     floor: str = typer.Option(None, "--floor", help="0.99 = 99% of reference accuracy; abs:0.40 = absolute."),
     confidence: float = typer.Option(0.95, "--confidence"),
     seed: int = typer.Option(0, "--seed"),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16."),
+    dtype: str = DtypeOption,
     fidelity_windows: int = typer.Option(4, "--fidelity-windows", help="WikiText-2 windows for KL/PPL (0 = off)."),
     reference_model: str = typer.Option(None, "--reference", help="Unquantized model to compare a checkpoint with."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the unquantized reference run."),

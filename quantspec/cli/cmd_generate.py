@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from runtime.loading import load_model
+import quantspec
+from runtime.loading import DEFAULT_DTYPE
+from quantspec.report import print_decode_comparison
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
-from quantspec.cli.app import app
+from quantspec.cli.app import DtypeOption, ModelArgument, app
 from evals.decode_speed import compare_decode
 from quantspec.cli.cmd_search import demo_search
 
@@ -19,8 +20,8 @@ console = Console()
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="User message (chat template applied for instruct models)."),
-    model: str = typer.Option("default", "--model", "-m", help="`default`, a local HF dir, or a hub id."),
-    dtype: str = typer.Option("fp32", help="fp32 or bf16."),
+    model: str = ModelArgument,
+    dtype: str = DtypeOption,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="0 = off."),
@@ -36,34 +37,17 @@ def generate(
            chat=False if no_chat else None, attention=attention)
 
 
-def answer(prompt: str, model: str = "default", dtype: str = "fp32", max_new_tokens: int = 128,
+def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), threads: int | None = None, chat: bool | None = None,
            attention: str = "sdpa") -> None:
     """Print the native runtime's answer, then one speed line naming the precision, attention, the kernels
     that ran and this machine's ISA (with any fallback)."""
-    lm = load_model(model, dtype, threads, attention)
+    lm = quantspec.load(model, dtype, threads, attention)
     ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
     result = Decoder(lm, max_len=len(ids) + max_new_tokens + 1).generate(ids, max_new_tokens, sampling)
     console.print(result.text)
     console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention, "
                   f"{hardware_line(lm.model)}[/]")
-
-
-def print_decode_comparison(record) -> None:
-    res = record.results
-    table = Table(title=f"batch-1 greedy decode, {record.model.model_id} {record.model.precision}, "
-                        f"{record.lengths.output_tokens['fixed']} new tokens (ignore_eos)")
-    for col in ("engine", "decode tok/s", "prefill ms", "% of roofline"):
-        table.add_column(col, justify="right")
-    for row in res["rows"]:
-        table.add_row(row["engine"], f"{row['decode_tok_s']:.1f}", f"{row['prefill_ms']:.0f}", f"{row['roofline_pct']:.0f}%")
-    console.print(table)
-    console.print(f"bandwidth {res['bandwidth_gb_s']:.1f} GB/s, {res['bytes_per_token'] / 2**20:.0f} MiB/token -> "
-                  f"roofline {res['roofline_tok_s']:.1f} tok/s")
-    if "native_over_hf" in res:
-        console.print(f"native / HF = [bold]{res['native_over_hf']:.2f}x[/], greedy tokens equal: {res['greedy_tokens_equal']}")
-    if record.model.note:
-        console.print(f"[yellow]note:[/] {record.model.note}")
 
 
 @app.command()
@@ -73,7 +57,7 @@ def demo(
 ):
     """The main job on the default model: answer a question, native vs HF decode speed, then a small
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
-    answer("What is the capital of France?", max_new_tokens=32)
+    answer("What is the capital of France?", dtype="fp32", max_new_tokens=32)  # beside the fp32 HF comparison
     record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=2)
     print_decode_comparison(record)
     record.write(out)

@@ -3,49 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from evals.fidelity import FidelityStats, token_fidelity
-from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
-                          RunRecord, hardware_info)
-from runtime.errors import UserError
-from runtime.hardware import hardware_line
-from runtime.loading import LoadedModel, load_model
-from quant.methods import get_method
-from runtime.model_store import SMOLLM2, is_default_model, weights_hash
-from quant.scheme import WeightSpec, parse_scheme
-from runtime.generate import Decoder, encode_prompt
-from runtime.sampling import SamplingConfig
-from quantspec.cli.app import DataDirOption, app
+import quantspec
+from evals.fidelity import FidelityStats
+from evals.quant_report import FIDELITY_PROMPTS
 from quant.calibration import CalibConfig
-from quant.checkpoint import save_compressed
-from quant.quantize import plan_layers, quantize_model
+from runtime.hardware import hardware_line
+from quantspec.cli.app import DataDirOption, ModelArgument, app
 
 console = Console()
-FIDELITY_PROMPTS = ("What is the capital of France?", "Explain why the sky is blue in two sentences.",
-                    "Write a haiku about autumn.")
-FIDELITY_NEW_TOKENS = 32
-Q4_1_GRID = WeightSpec(4, False, "group", 32)
-INTEGER_ZERO_CAVEAT = ("; but compressed-tensors' integer zero points cannot express Q4_1's per-block offset "
-                       "exactly, so trust the fidelity line above")
-
-
-def fidelity_sequences(lm: LoadedModel) -> list[list[int]]:
-    """Each prompt followed by the full-precision model's own greedy continuation (fixed length)."""
-    seqs = []
-    for prompt in FIDELITY_PROMPTS:
-        ids = encode_prompt(lm.tokenizer, prompt)
-        out = Decoder(lm, len(ids) + FIDELITY_NEW_TOKENS + 1).generate(ids, FIDELITY_NEW_TOKENS, SamplingConfig(),
-                                                                       ignore_eos=True)
-        seqs.append(ids + out.tokens)
-    return seqs
-
-
-def sequence_logits(lm: LoadedModel, seqs: list[list[int]]) -> torch.Tensor:
-    return torch.cat([Decoder(lm, len(s) + 1).forward(s) for s in seqs])
 
 
 def print_report(report, fidelity: FidelityStats, out: Path | None, caveat: str) -> None:
@@ -74,29 +43,9 @@ def print_report(report, fidelity: FidelityStats, out: Path | None, caveat: str)
         console.print(f"compressed-tensors checkpoint: {out}")
 
 
-def quant_record(model: str, lm: LoadedModel, report, fidelity: FidelityStats, caveat: str) -> RunRecord:
-    return RunRecord(
-        name="quantize",
-        model=ModelCondition(model, weights_hash(lm.path), f"{report.scheme.label} ({report.dtype} activations)",
-                             scheme=report.scheme.label, note=caveat),
-        hardware=hardware_info(lm.model),
-        lengths=LengthDistribution(len(FIDELITY_PROMPTS), {"source": "chat prompts"},
-                                   {"fixed": FIDELITY_NEW_TOKENS}, "built-in fidelity prompts", True),
-        arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native", {"method": report.method, "kernels": report.kernels,
-                                          "simulated": report.simulated}),
-        metric=MetricCondition(
-            {"mean_kl": "mean over positions of KL(p_fp || p_quant), teacher-forced on the fp model's greedy text",
-             "top1_agreement": "fraction of positions whose argmax tokens agree",
-             "weight_rel_error": "||W - Ŵ||_F / ||W||_F per layer"},
-            "none (a report, not a gate)"),
-        results={"report": report.to_dict(), "fidelity": fidelity.__dict__},
-    )
-
-
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="`default`, a local HF dir, or a hub id."),
+    model: str = ModelArgument,
     scheme: str = typer.Option(..., "--scheme", "-s", help="Preset (W8A16, W4A16, W8A8, ...) or label (w4g32-asym)."),
     method: str = typer.Option("rtn", help="Weight method: rtn, mse, gptq, awq."),
     calib: str = typer.Option("wikitext2", help="Calibration text: wikitext2, self, or PATH.jsonl."),
@@ -104,26 +53,16 @@ def quantize(
     calib_seqlen: int = typer.Option(512, "--calib-seqlen"),
     out: Path = typer.Option(None, "--out", "-o", help="Write a compressed-tensors checkpoint here."),
     overwrite: bool = typer.Option(False, help="Replace an existing --out dir."),
-    dtype: str = typer.Option("bf16", help="Activation / dense-weight dtype: bf16 (real kernels) or fp32."),
+    dtype: str = typer.Option(quantspec.DEFAULT_DTYPE, "--dtype", help=f"Activation / dense-weight dtype: bf16 (real "
+                              f"kernels) or fp32 (default {quantspec.DEFAULT_DTYPE}, every command)."),
     json_out: Path = typer.Option(None, "--json", help="Write a run record here."),
     data_dir: str = DataDirOption,
 ):
     """Quantize MODEL's Linear layers, print size, time, kernels and fidelity, optionally export."""
-    parsed = parse_scheme(scheme)
-    weight_method = get_method(method)
-    calib_cfg = CalibConfig(calib, calib_samples, calib_seqlen, data_dir=data_dir)
-    if out is not None and out.exists() and not overwrite:
-        raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --out")
-    lm = load_model(model, dtype)
-    plan_layers(lm, parsed)  # refuse bad group sizes / nothing to quantize before any model work
-    seqs = fidelity_sequences(lm)
-    ref_logits = sequence_logits(lm, seqs)
-    report = quantize_model(lm, parsed, method, calib_cfg if weight_method.needs_calibration else None)
-    fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))
-    caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""
-    written = save_compressed(lm, report, out, overwrite) if out is not None else None
-    print_report(report, fidelity, written, caveat)
-    console.print(f"[dim]{hardware_line(lm.model)}[/]")
+    q = quantspec.quantize(model, scheme, method, CalibConfig(calib, calib_samples, calib_seqlen, data_dir=data_dir),
+                           out, overwrite, dtype)
+    print_report(q.report, q.fidelity, q.checkpoint, q.caveat)
+    console.print(f"[dim]{hardware_line(q.model.model)}[/]")
     if json_out is not None:
-        quant_record(model, lm, report, fidelity, caveat).write(json_out)
+        q.record.write(json_out)
         console.print(f"run record: {json_out}")
