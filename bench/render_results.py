@@ -151,7 +151,7 @@ def bench(pattern: str, title: str, script: str, intro: str = ""):
 
 
 @bench("decode-*.json", "Native decode vs HF generate", "bench/decode.py",
-       "Batch 1, greedy, fixed output length; decode tok/s excludes prefill. One file per CPU kind: a table "
+       "Batch size one, greedy, fixed output length; decode tok/s excludes prefill. One file per CPU kind: a table "
        "measured on one kind does not hold on another.")
 def render_decode(d: dict) -> str:
     r = d["results"]
@@ -185,7 +185,7 @@ def render_quant_decode(d: dict) -> str:
 
 @bench("backends.json", "Serving backends: native vs vLLM", "bench/backends.py",
        "Effective tok/s = output tokens counted from the returned ids / window wall time (prefill and queueing "
-       "included). The native backend serves batch 1 (others wait in a FIFO queue, inside their TTFT); vLLM "
+       "included). The native backend serves one request at a time (others wait in a FIFO queue, inside their TTFT); vLLM "
        "batches continuously. Each (backend, config) ran in its own process with one engine for both loads.")
 def render_backends(d: dict) -> str:
     rows = [[x["config"], x["concurrency"], x["backend"], num(x["effective_tok_s"], 1),
@@ -343,7 +343,7 @@ SWEEP_COLS = [  # (header, row field, format); a column shows when any row has t
     ("K", "k", str), ("α", "alpha", num), ("β", "beta", num), ("τ", "tau", num),
     ("accept/pos", "acceptance_per_pos", lambda v: " ".join(f"{x:.2f}" for x in v)),
     ("no-draft steps", "draft_length_hist", lambda v: num(v[0])),
-    ("tok/s", "tok_s", lambda v: num(v, 1)), ("speedup", "speedup", num), ("Thm 3.8", "predicted_speedup", num),
+    ("tok/s", "tok_s", lambda v: num(v, 1)), ("speedup", "speedup", num), ("theory", "predicted_speedup", num),
     ("refined", "refined_speedup", num), ("meas/Thm", "measured_over_predicted", num),
     ("meas/refined", "measured_over_refined", num), ("c", "c", lambda v: num(v, 3)), ("V(K)", "verify_cost", num),
     ("=greedy", "greedy_equal", str), ("vs reference plain", "speedup_vs_reference", num),
@@ -354,8 +354,8 @@ SWEEP_COLS = [  # (header, row field, format); a column shows when any row has t
 @bench("specdec*.json", "Speculative decoding: acceptance and speedup vs K", "bench/spec_sweep.py",
        "Speedup = speculative decode tok/s / plain decode tok/s of the same target (prefill excluded). α = "
        "accepted / drafted; β = accepted / tested draft tokens (Leviathan's per-token acceptance); c = proposer "
-       "cost per drafted token in plain decode steps; V(K) = measured cost of a (K+1)-token verification in "
-       "decode steps. Thm 3.8 is Leviathan et al.'s prediction; refined uses the measured mix of draft lengths, "
+       "cost per drafted token in plain decode steps; V(K) = measured cost of a verification over K drafted tokens plus the bonus in "
+       "decode steps. The theory column is Leviathan et al.'s prediction (their Theorem `3.8`); refined uses the measured mix of draft lengths, "
        "K·c and V(K) (docs/methodology.md). `=greedy` counts prompts whose output is token-identical to plain "
        "greedy decoding. With fixed output length (ignore_eos) a finished answer keeps going and often repeats "
        "itself, which prompt lookup exploits; the end-of-turn run stops where the model stops.")

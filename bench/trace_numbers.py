@@ -6,7 +6,8 @@
 A number counts when it stands alone in prose or a table cell; names and code (``w4g32``, ``bf16``,
 ``SmolLM2-135M``, anything in backticks or a link target) are not figures. A number is traced when some leaf
 of a JSON file under the results dir prints as it (as an integer, with the page's decimals, as a percentage,
-or in the short forms the renderer uses). Under a heading that names a JSON file only that file counts.
+or in the short forms the renderer uses) in the JSON file named by the nearest heading above it; a number under
+a heading that names no record is missing (the README carries no figures: it links to the results page).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def trace(page: Path, idx: dict[str, dict[str, str]]) -> list[Trace]:
             continue
         for m in NUMBER.finditer(CODE.sub(" ", line)):
             token = m.group(0)
-            order = current or list(idx)  # a section that names its record is traced to that record only
+            order = current  # a number is traced to the record its section names; prose elsewhere carries none
             hit = next((f"{f}:{idx[f][token]}" for f in order if token in idx[f]), None)
             traces.append(Trace(shown, n, token, hit))
     return traces

@@ -11,7 +11,7 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
   registered kernel): dequantized weight + plain matmul. Its speed is *not* a real low-bit speed and every
   report labels it ``simulated``.
 
-Real kernels run bf16 activations (the CPU kernels are 3-30x slower on fp32); a model in fp32 casts the
+Real kernels run bf16 activations (the CPU kernels are much slower on fp32); a model in fp32 casts the
 layer input to bf16 and the output back.
 
 Adding a kernel (e.g. W8A8 int8 x int8)::

@@ -49,7 +49,7 @@ def fp32_chunks(wq: torch.Tensor) -> list[torch.Tensor]:
 
 def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
     """Per shape class, which exact int8 product is faster here: ``torch._int_mm`` (fast with VNNI / AMX-INT8,
-    7-47x slower than fp32 on an AVX2-only CPU) or ``fp32-exact``. Forced to ``fp32-exact`` by the AVX2 override."""
+    many times slower than fp32 on an AVX2-only CPU: the probe measures it) or ``fp32-exact``. Forced to ``fp32-exact`` by the AVX2 override."""
     if probe().forced:
         return {cls: "fp32-exact" for cls in SHAPE_CLASSES}
     n, k = shape

@@ -1,8 +1,8 @@
 """``nn.Linear`` whose inference forward runs on the best dense kernel this machine has (``runtime.hardware``).
 
-At batch 1 decoding is one matrix-vector product per layer, and the plain ``F.linear`` GEMV reaches only
-~11-13 GB/s; the same product on a weight reordered once into the library's blocked layout is ~2x faster
-(what inductor's weight freezing does). Kernels, picked per dtype and machine:
+At batch 1 decoding is one matrix-vector product per layer, and the plain ``F.linear`` GEMV reaches a fraction
+of the memory bandwidth; the same product on a weight reordered once into the library's blocked layout is
+faster (what inductor's weight freezing does; measured in bench/results, decode-*.json). Kernels, picked per dtype and machine:
 
 * fp32: ``mkl-prepacked`` (MKL's packed GEMM) or ``aten-fp32`` (plain ``F.linear``).
 * bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``

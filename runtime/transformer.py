@@ -121,8 +121,8 @@ def sdpa_attention(q, k, v, mask):
 
 KEY_BLOCK = 1024  # bf16 matmuls sum more than 1024 terms in another order: p @ v runs per fixed key block
 # Keys an attention reads, rounded up to a multiple of this (the extra ones masked): on AMX the bf16 matmuls
-# treat a ragged tail of keys differently, so a lone query over 147 keys and the same query among others over
-# 148 summed in another order. With the key count aligned, every row sees the same reduction shape.
+# treat a ragged tail of keys differently, so a lone query over n keys and the same query among others over
+# n + 1 summed in another order. With the key count aligned, every row sees the same reduction shape.
 KEY_ALIGN: dict[str, int] = {"eager": 64}
 
 
@@ -131,7 +131,7 @@ def batch_invariant_attention(q, k, v, mask):
     """HF-style eager attention (bf16 matmuls, fp32 softmax) whose output for a query does not depend on how
     many queries run with it, so in bf16 verifying K+1 tokens gives bitwise the rows that decoding them one by
     one gives, and greedy speculation is token-exact by construction. Query heads of one kv head share a
-    matmul (no K/V copies). Slower than SDPA for one query over < ~200 keys, faster beyond."""
+    matmul (no K/V copies). Slower than SDPA for one query over a short history, faster over a long one."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv, group = k.shape[1], n_heads // k.shape[1]
     scores = torch.matmul(q.reshape(bsz, n_kv, group * seqlen, head_dim), k.transpose(-1, -2))

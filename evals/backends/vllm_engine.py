@@ -25,7 +25,7 @@ from runtime.model_store import resolve_model, weights_hash
 from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
 from quant.checkpoint import save_compressed
 from runtime.loading import load_model, load_tokenizer
-from runtime.hardware import quantspec_home
+from runtime.hardware import probe, quantspec_home
 from quant.quantize import quantize_model
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -58,8 +58,8 @@ def speculative_config(config: "Config | ServingConfig") -> dict | None:
     if spec is None:
         return None
     temperature = getattr(config, "temperature", 0.0)
-    if temperature > 0:
-        raise UserError(f"vllm-cpu 0.32 accepts ~0% of drafts at temperature > 0, so {point.spec_label} at T="
+    if temperature > 0 and probe().cuda is None:  # vllm-cpu only; vLLM on a GPU samples drafts correctly
+        raise UserError(f"vllm-cpu rejects nearly all drafts at temperature > 0 (an upstream defect), so {point.spec_label} at T="
                         f"{temperature} would measure nothing useful; use --temperature 0 or --backend native")
     if spec.name == "ngram":
         ngram = NgramProposer.from_spec(spec.arg, None)
