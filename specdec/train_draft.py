@@ -47,6 +47,7 @@ class TrainConfig:
     draft_vocab: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t): the N most frequent target tokens
     train_seconds: float | None = None  # wall-clock cap on the training loop (stops mid-epoch)
     seed: int = 0
+    answer_seconds: float | None = None  # wall-clock cap on generating the answers (fewer prompts if reached)
 
 
 @dataclass
@@ -118,7 +119,10 @@ def build_sequences(lm: LoadedModel, cfg: TrainConfig, data_dir=None, progress: 
     prompts, dropped = alpaca_prompts(cfg.n_prompts, data_dir, cfg.seed)
     decoder = Decoder(lm, 2048)
     seqs = []
+    t0 = time.perf_counter()
     for i, text in enumerate(prompts):
+        if cfg.answer_seconds is not None and time.perf_counter() - t0 > cfg.answer_seconds:
+            break
         ids = encode_prompt(lm.tokenizer, text)[-512:]
         answer = decoder.generate(ids, cfg.max_answer_tokens).tokens
         seqs.append(ids + answer)
