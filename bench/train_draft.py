@@ -9,6 +9,7 @@ speedup vs plain decoding with the same eager attention, beside the prediction),
 the first --per-category questions of each Spec-Bench task. Writes bench/results/eagle_train_draft.json.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -54,6 +55,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--head-dir", default="/tmp/quantspec-eagle-head")
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--reuse-head", action="store_true",
+                        help="Skip training: measure the head in --head-dir, taking the training part of the record "
+                             "from its train_result.json (written by a run that trained it).")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "eagle_train_draft.json"))
     args = parser.parse_args()
     lm = load_model(args.model, args.dtype, args.threads, "eager")
@@ -68,11 +72,20 @@ if __name__ == "__main__":
             last[0] = now
             print(f"[{time.strftime('%H:%M:%S')}] {stage} {done}/{total} {detail}", flush=True)
 
-    t0 = time.perf_counter()
-    result = train_head(lm, args.head_dir, cfg, args.data_dir, progress, target_name=args.model)
-    train_wall = time.perf_counter() - t0
-    print(f"trained in {train_wall:.0f} s: extraction {result.extract_s:.0f} s, training {result.train_s:.0f} s, "
-          f"held-out evaluation {result.eval_s:.0f} s; epochs {result.epochs}", flush=True)
+    side = Path(args.head_dir) / "train_result.json"
+    if args.reuse_head:
+        training = json.loads(side.read_text())
+    else:
+        t0 = time.perf_counter()
+        result = train_head(lm, args.head_dir, cfg, args.data_dir, progress, target_name=args.model)
+        train_wall = time.perf_counter() - t0
+        print(f"trained in {train_wall:.0f} s: extraction {result.extract_s:.0f} s, training {result.train_s:.0f} s, "
+              f"held-out evaluation {result.eval_s:.0f} s; epochs {result.epochs}", flush=True)
+        training = {**result.to_dict(), "wall_s": train_wall,
+                    "budget": {"answer_seconds": args.answer_seconds, "train_seconds": args.train_seconds,
+                               "prompts": args.prompts, "max_answer_tokens": args.max_answer_tokens},
+                    "head_dir": args.head_dir}
+        side.write_text(json.dumps(training, indent=1))
     texts = spec_bench_prompts(args.per_category, args.data_dir)
     t1 = time.perf_counter()
     record = quantspec.measure_acceptance(
@@ -81,13 +94,9 @@ if __name__ == "__main__":
         ignore_eos=True, tick=lambda what: progress("measure", 0, 1, what))
     measure_s = time.perf_counter() - t1
     record.name = "eagle-train-draft"
-    record.results["training"] = {**result.to_dict(), "wall_s": train_wall,
-                                  "budget": {"answer_seconds": args.answer_seconds,
-                                             "train_seconds": args.train_seconds, "prompts": args.prompts,
-                                             "max_answer_tokens": args.max_answer_tokens},
-                                  "head_dir": args.head_dir}
-    record.results["time_split_s"] = {"extraction": result.extract_s, "training": result.train_s,
-                                      "heldout_evaluation": result.eval_s, "spec_bench_measurement": measure_s}
+    record.results["training"] = training
+    record.results["time_split_s"] = {"extraction": training["extract_s"], "training": training["train_s"],
+                                      "heldout_evaluation": training["eval_s"], "spec_bench_measurement": measure_s}
     record.results["threads"] = torch.get_num_threads()
     record.results["load_average_after"] = os.getloadavg()
     print_sweep(record)
