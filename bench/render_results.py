@@ -402,7 +402,7 @@ def render_eagle(d: dict) -> str:
             f"{num(budget['train_seconds'], 0)} s. Time split: extraction (answers + hidden states) "
             f"{num(split['extraction'], 0)} s, training {num(split['training'], 1)} s, held-out evaluation "
             f"{num(split['heldout_evaluation'], 1)} s, Spec-Bench measurement {num(split['spec_bench_measurement'], 0)} s. "
-            f"{t['n_sequences']} sequences, {t['n_train_tokens']} training positions, {t['steps']} steps; "
+            f"{num(t['n_sequences'])} sequences, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
             f"held-out acceptance per epoch: {held}.")
     sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items() if k not in ("training", "time_split_s")}}
     return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [sweep]}})
