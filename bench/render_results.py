@@ -386,6 +386,28 @@ def render_sweeps(d: dict) -> str:
     return "\n\n".join(parts)
 
 
+@bench("eagle_train_draft.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
+       "bench/train_draft.py",
+       "A one-layer EAGLE-1 style head (eagle:PATH) trained on this machine under a wall-clock budget from the "
+       "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped) and WikiText-2 "
+       "validation text, hidden-state regression plus token cross-entropy. Held-out acceptance is the share of "
+       "held-out positions whose first drafted token is the target's greedy token (teacher-forced). The sweep "
+       "columns are those of the speculative-decoding section.")
+def render_eagle(d: dict) -> str:
+    t = d["results"]["training"]
+    split = d["results"]["time_split_s"]
+    budget = t["budget"]
+    held = " → ".join(num(e["heldout_top1"]) for e in t["epochs"])
+    head = (f"Training budget: answers capped at {num(budget['answer_seconds'], 0)} s, training at "
+            f"{num(budget['train_seconds'], 0)} s. Time split: extraction (answers + hidden states) "
+            f"{num(split['extraction'], 0)} s, training {num(split['training'], 1)} s, held-out evaluation "
+            f"{num(split['heldout_evaluation'], 1)} s, Spec-Bench measurement {num(split['spec_bench_measurement'], 0)} s. "
+            f"{num(t['n_sequences'])} sequences, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
+            f"held-out acceptance per epoch: {held}.")
+    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items() if k not in ("training", "time_split_s")}}
+    return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [sweep]}})
+
+
 @bench("check-lossless-*.json", "Lossless checks of speculative sampling", "quantspec check-lossless --json FILE",
        "Greedy speculative output must equal plain greedy decoding; sampled outputs are judged by TV and "
        "acceptance tests of known false-alarm rate and power (docs/methodology.md). Over a full vocabulary a few "

@@ -29,6 +29,8 @@ from runtime.loading import DEFAULT_DTYPE, LoadedModel, load_model
 from runtime.registry import Registry
 from runtime.sampling import SamplingConfig
 from specdec.proposers import Proposal, Proposer, build_proposer, register_proposer
+from specdec.train_draft import TrainConfig, TrainResult
+from specdec.train_draft import train_head as train_draft
 from studies.objective import register_evaluator
 from studies.pareto import StudySummary, load_summary
 from studies.search import DEFAULT_STUDY_DIR, SearchOutcome, SearchSettings, run_search
@@ -57,11 +59,11 @@ def pareto(storage: str | None = None, study_name: str | None = None,
 __all__ = [
     # run things
     "load", "quantize", "evaluate", "benchmark", "measure_acceptance", "check_lossless", "search", "pareto",
-    "build_proposer", "parse_scheme",
+    "build_proposer", "parse_scheme", "train_draft",
     # their inputs and results
     "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
     "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "QuantScheme", "UserError",
-    "DEFAULT_DTYPE",
+    "DEFAULT_DTYPE", "TrainConfig", "TrainResult",
     # extend: subclass, then register
     "WeightMethod", "register_method", "register_preset", "Observer", "register_observer", "Kernel",
     "register_kernel", "Proposer", "Proposal", "register_proposer", "Backend", "register_backend",

@@ -66,6 +66,14 @@ class Decoder:
         self.pos = 0
         self.eos_ids = eos_token_ids(lm)
         self.model.setup_cache(1, self.max_len, cache_factory)
+        self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
+
+    def keep_hidden(self) -> None:
+        """From now on every forward also stores the final-norm hidden state of each position it runs (rows past
+        ``pos`` after a rollback are stale and overwritten later, like the KV cache). Logits are unchanged."""
+        if self.hidden is None:
+            dtype = self.model.embed_tokens.weight.dtype
+            self.hidden = torch.zeros(self.max_len, self.model.args.dim, dtype=dtype)
 
     def reset(self) -> None:
         self.pos = 0
@@ -84,7 +92,12 @@ class Decoder:
         if self.pos + n > self.max_len:
             raise UserError(f"sequence of {self.pos + n} tokens exceeds max length {self.max_len}; raise --max-len")
         input_pos = torch.arange(self.pos, self.pos + n)
-        logits = self.model(ids, input_pos, n_layers=n_layers)[0]
+        if self.hidden is not None and n_layers is None:
+            logits, hidden = self.model(ids, input_pos, return_hidden=True)
+            self.hidden[self.pos : self.pos + n] = hidden[0]
+            logits = logits[0]
+        else:
+            logits = self.model(ids, input_pos, n_layers=n_layers)[0]
         self.pos += n
         return logits
 

@@ -200,8 +200,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
-        """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending)."""
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
+                return_hidden: bool = False):
+        """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending).
+        ``return_hidden``: (logits, the final-norm hidden states the LM head reads) — what EAGLE heads draft from;
+        the logits are the same either way."""
         if input_pos[-1] >= self.max_len:
             raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
         align = KEY_ALIGN.get(self.attn_implementation, 1)
@@ -218,7 +221,9 @@ class Transformer(nn.Module):
         attend = ATTENTION.get(self.attn_implementation)
         for layer in self.layers[:depth]:
             x = layer(x, cos, sin, input_pos, mask, length, attend)
-        return self.lm_head(self.norm(x))
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
 
 
 def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

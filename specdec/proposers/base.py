@@ -71,7 +71,7 @@ class AutoregressiveDraft(Proposer):
 
 
 PROPOSERS: Registry[type[Proposer]] = Registry("proposer")
-PROPOSER_EXAMPLES = "e.g. ngram:min=2,max=4, draft:PATH, layerskip:8, selfquant:w4g32-asym; K as k=4"
+PROPOSER_EXAMPLES = "e.g. ngram:min=2,max=4, draft:PATH, layerskip:8, selfquant:w4g32-asym, eagle:HEAD_DIR; K as k=4"
 
 
 def register_proposer(name: str):

@@ -1,0 +1,207 @@
+"""An EAGLE-1 style draft head: one Llama decoder layer over ``fc(concat(embed(next token), target hidden))``.
+
+Layout is vLLM's ``EagleLlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle.py``): weights ``fc.weight``
+[dim, 2*dim] (no bias) and ``layers.0.*`` with HF names, no ``layers.0.input_layernorm`` (vLLM disables it on the
+first layer) and no final norm; the token embedding and the LM head are the target's (frozen, not stored). The
+hidden state it reads and predicts is the target's final-norm hidden state (what the target's LM head reads), so
+the head's output goes straight through the target's LM head.
+
+A head file is data, never code: ``model.safetensors`` + ``config.json``, every shape checked against the target.
+An optional reduced draft vocabulary follows EAGLE-3's ``d2t`` convention (target id = draft id + d2t[draft id]):
+the draft then computes only those rows of the target's LM head.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from runtime.errors import UserError
+from runtime.transformer import ModelArgs, RMSNorm, apply_rope, rope_tables
+
+WEIGHTS = "model.safetensors"
+
+
+def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict | None = None) -> dict:
+    """The head's config.json: the target's Llama config with one layer (what vLLM's EAGLE loader reads)."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "head_dim", "bos_token_id",
+            "eos_token_id", "attention_bias")
+    cfg = {k: target_config[k] for k in keep if k in target_config}
+    cfg.update(architectures=["EagleLlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+               tie_word_embeddings=False, torch_dtype="bfloat16")
+    if draft_vocab:
+        cfg["draft_vocab_size"] = draft_vocab
+    cfg["quantspec_eagle"] = {"kind": "eagle1", "hidden": "final-norm", **(extra or {})}
+    return cfg
+
+
+class EagleHead(nn.Module):
+    """fc + one decoder layer. ``forward(embeds, hidden, input_pos)`` -> predicted next hidden states; with a
+    cache (``setup_cache``) it runs incrementally at explicit positions, without one it is causal over the
+    sequence (training)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        d, hd = args.dim, args.head_dim
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        layer = nn.Module()
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(d, args.n_heads * hd, bias=args.qkv_bias)
+        attn.k_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
+        attn.v_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
+        attn.o_proj = nn.Linear(args.n_heads * hd, d, bias=False)
+        mlp = nn.Module()
+        mlp.gate_proj = nn.Linear(d, args.intermediate_size, bias=False)
+        mlp.up_proj = nn.Linear(d, args.intermediate_size, bias=False)
+        mlp.down_proj = nn.Linear(args.intermediate_size, d, bias=False)
+        layer.self_attn, layer.mlp = attn, mlp
+        layer.post_attention_layernorm = RMSNorm(d, args.norm_eps)
+        self.layers = nn.ModuleList([layer])
+        cos, sin = rope_tables(args, args.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.k_cache = self.v_cache = None
+
+    def setup_cache(self, max_len: int) -> None:
+        a = self.args
+        dtype = self.fc.weight.dtype
+        self.k_cache = torch.zeros(1, a.n_kv_heads, max_len, a.head_dim, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [B, T, dim] (the token at t+1 and the target state at t) -> predicted state at t+1."""
+        a = self.args
+        x = self.fc(torch.cat((embeds, hidden), dim=-1))
+        layer = self.layers[0]
+        B, T, _ = x.shape
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        cos = self.rope_cos[input_pos].to(x.dtype)
+        sin = self.rope_sin[input_pos].to(x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = a.n_heads != a.n_kv_heads
+        if self.k_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+            self.k_cache[:, :, start:end] = k
+            self.v_cache[:, :, start:end] = v
+            keys, values = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+            mask = torch.arange(end)[None, :] <= input_pos[:, None]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        h = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        m = layer.mlp
+        z = layer.post_attention_layernorm(h)
+        return h + m.down_proj(F.silu(m.gate_proj(z)) * m.up_proj(z))
+
+
+def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> EagleHead:
+    """A freshly initialised head for a target (fc starts as [0 | I]: the target's own state passes through)."""
+    args = ModelArgs.from_hf_config(target_config)
+    torch.manual_seed(seed)
+    head = EagleHead(args)
+    with torch.no_grad():
+        d = args.dim
+        head.fc.weight.zero_()
+        head.fc.weight[:, d:] = torch.eye(d)
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and not name.startswith("fc"):
+                nn.init.normal_(p, std=0.02)
+        for name in ("o_proj", "down_proj"):
+            for n, p in head.named_parameters():
+                if n.endswith(f"{name}.weight"):
+                    p.mul_(0.1)
+    return head.to(dtype)
+
+
+def save_head(head: EagleHead, out: Path, config: dict, d2t: torch.Tensor | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    if d2t is not None:
+        state["d2t"] = d2t.to(torch.int64).contiguous()
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    d, hd, inter = args.dim, args.head_dim, args.intermediate_size
+    shapes = {"fc.weight": (d, 2 * d),
+              "layers.0.self_attn.q_proj.weight": (args.n_heads * hd, d),
+              "layers.0.self_attn.k_proj.weight": (args.n_kv_heads * hd, d),
+              "layers.0.self_attn.v_proj.weight": (args.n_kv_heads * hd, d),
+              "layers.0.self_attn.o_proj.weight": (d, args.n_heads * hd),
+              "layers.0.mlp.gate_proj.weight": (inter, d), "layers.0.mlp.up_proj.weight": (inter, d),
+              "layers.0.mlp.down_proj.weight": (d, inter), "layers.0.post_attention_layernorm.weight": (d,)}
+    if args.qkv_bias:
+        shapes.update({"layers.0.self_attn.q_proj.bias": (args.n_heads * hd,),
+                       "layers.0.self_attn.k_proj.bias": (args.n_kv_heads * hd,),
+                       "layers.0.self_attn.v_proj.bias": (args.n_kv_heads * hd,)})
+    return shapes
+
+
+def load_head(path: str | Path, target_config: dict, dtype: torch.dtype) -> tuple[EagleHead, torch.Tensor | None, dict]:
+    """(head, draft-to-target ids or None, its config) from a head dir; every mismatch with the target is a
+    one-line UserError (safetensors only: a head file is data, never code)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"eagle head {path} is not a directory (expected config.json + {WEIGHTS})")
+    if not (path / "config.json").exists():
+        raise UserError(f"eagle head {path} has no config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+        what = f" (found {', '.join(pickles)}: pickled weights are code and are not loaded)" if pickles else ""
+        raise UserError(f"eagle head {path} has no *.safetensors weights{what}")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"eagle head {path}/config.json is not JSON: {exc}") from None
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    args = ModelArgs.from_hf_config(target_config)
+    t_hidden, t_vocab = target_config["hidden_size"], target_config["vocab_size"]
+    fc = state.get("fc.weight")
+    got = cfg.get("hidden_size", t_hidden) if fc is None else fc.shape[0]
+    if got != t_hidden or cfg.get("hidden_size", t_hidden) != t_hidden:
+        got = cfg.get("hidden_size") if cfg.get("hidden_size", t_hidden) != t_hidden else got
+        raise UserError(f"eagle head {path} has hidden size {got}, the target has {t_hidden}: train a head for this target")
+    if cfg.get("vocab_size", t_vocab) != t_vocab:
+        raise UserError(f"eagle head {path} is for a vocabulary of {cfg['vocab_size']} tokens, the target has {t_vocab}")
+    draft_vocab = cfg.get("draft_vocab_size") or t_vocab
+    d2t = None
+    if draft_vocab != t_vocab:
+        if "d2t" not in state:
+            raise UserError(f"eagle head {path} declares draft_vocab_size {draft_vocab} but has no d2t map")
+        offsets = state.pop("d2t").to(torch.long)
+        if offsets.shape != (draft_vocab,):
+            raise UserError(f"eagle head {path}: d2t has shape {tuple(offsets.shape)}, expected ({draft_vocab},)")
+        d2t = torch.arange(draft_vocab) + offsets
+        if int(d2t.min()) < 0 or int(d2t.max()) >= t_vocab:
+            raise UserError(f"eagle head {path}: d2t maps outside the target's {t_vocab}-token vocabulary")
+    state.pop("d2t", None)
+    state.pop("t2d", None)
+    state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens", "lm_head"))}  # the target's are used
+    shapes = expected_shapes(args)
+    missing = sorted(set(shapes) - set(state))
+    extra = sorted(set(state) - set(shapes))
+    if missing or extra:
+        raise UserError(f"eagle head {path} is not a one-layer EAGLE head: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise UserError(f"eagle head {path}: {name} has shape {tuple(state[name].shape)}, expected {shape} for "
+                            "this target")
+    head = EagleHead(args)
+    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return head.to(dtype).eval(), d2t, cfg

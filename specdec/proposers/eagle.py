@@ -1,0 +1,87 @@
+"""``eagle:PATH`` — a learned EAGLE-1 style draft head (specdec/eagle_head.py) drafting a chain of K tokens from
+the target's own final hidden states.
+
+The target decoder keeps the final-norm hidden state of every position it runs (``Decoder.keep_hidden``). The
+head consumes pairs (target state at t, token t+1) at position t and predicts the state at t+1, whose logits
+come from the target's frozen LM head (or the rows a ``d2t`` map selects). Before each proposal it feeds the
+pairs it has not seen (real states only: the target holds every context position but the last), then drafts
+K tokens by feeding its own predicted state back with the drafted token. Positions it drafted at are
+overwritten with real states the next time, so a rejection needs no other rollback. Verification is unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.errors import UserError
+from runtime.sampling import logits_to_probs, sample_from
+from specdec.eagle_head import load_head
+from specdec.proposers.base import Proposal, Proposer, register_proposer
+
+
+@register_proposer("eagle")
+class EagleProposer(Proposer):
+    def __init__(self, target, head, d2t: torch.Tensor | None, label: str):
+        self.target, self.head, self.d2t, self._label = target, head, d2t, label
+        model = target.model
+        self.embed = model.embed_tokens
+        self.draft_lm_head = None if d2t is None else model.lm_head.weight[d2t].detach().clone()
+        self.decoder = None
+        self.pos = 0  # head positions holding real (target-state) pairs
+
+    @classmethod
+    def from_spec(cls, arg, target):
+        if not arg:
+            raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
+        head, d2t, _ = load_head(arg, target.config, target.dtype)
+        return cls(target, head, d2t, f"eagle:{arg}")
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    def attach(self, decoder):
+        if decoder.model is not self.target.model:
+            raise UserError("eagle drafts from the hidden states of the target it was built for")
+        decoder.keep_hidden()
+        self.head.setup_cache(decoder.max_len)
+        self.decoder = decoder
+        self.pos = 0
+
+    def reset(self):
+        self.pos = 0
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits for one predicted state (-inf outside a reduced draft vocabulary)."""
+        if self.d2t is None:
+            return self.target.model.lm_head(h[None])[0]
+        out = torch.full((self.target.model.args.vocab_size,), float("-inf"), dtype=h.dtype)
+        out[self.d2t] = F.linear(h, self.draft_lm_head)
+        return out
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling, generator):
+        n = len(context)
+        if k == 0 or n < 2:
+            return Proposal([])
+        if self.decoder.pos != n - 1:
+            raise RuntimeError(f"eagle: target cache holds {self.decoder.pos} positions, expected {n - 1}")
+        start = min(self.pos, n - 2)
+        ids = torch.tensor(context[start + 1 : n], dtype=torch.long)
+        hidden = self.decoder.hidden[start : n - 1]
+        h = self.head(self.embed(ids)[None], hidden[None], torch.arange(start, n - 1))[0, -1]
+        self.pos = n - 1
+        tokens, qs = [], []
+        for i in range(k):
+            logits = self.logits(h)
+            if sampling.greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = logits_to_probs(logits, sampling)
+                qs.append(q)
+                tokens.append(int(sample_from(q, generator)))
+            if i + 1 < k:
+                pos = n - 1 + i
+                emb = self.embed(torch.tensor([[tokens[-1]]]))
+                h = self.head(emb, h[None, None], torch.tensor([pos]))[0, -1]
+        return Proposal(tokens, torch.stack(qs) if qs else None)

@@ -1,0 +1,266 @@
+"""Train an EAGLE-1 style draft head (specdec/eagle_head.py) for a target, from the target itself.
+
+Training set: the target's own greedy answers (self-distillation, through its chat template) to Alpaca
+instructions from the data dir (``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a
+Spec-Bench or MT-Bench turn is dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the
+target's final-norm hidden states over each sequence are extracted teacher-forced. Loss per position: smooth L1
+between the predicted and the target's next hidden state + ``ce_weight`` x cross-entropy of the draft's token
+distribution against the target's next-token distribution (both through the target's frozen LM head). A held-out
+slice gives a per-epoch acceptance estimate: how often the draft's first token equals the target's greedy token
+(teacher-forced, i.e. alpha at draft position 1 under greedy verification).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime.data import PROMPT_FILES, data_file, read_jsonl
+from runtime.errors import UserError
+from runtime.generate import Decoder, encode_prompt
+from runtime.loading import LoadedModel
+from specdec.eagle_head import head_config, new_head, save_head
+
+ALPACA = "alpaca/alpaca_5000.json"
+WIKITEXT_VALID = "wikitext2/tokens/valid.txt"
+Progress = Callable[[str, int, int, str], None]  # (stage, done, total, detail)
+
+
+@dataclass
+class TrainConfig:
+    n_prompts: int = 200            # Alpaca instructions answered by the target
+    max_answer_tokens: int = 64     # greedy answer length cap (stops at end of turn)
+    n_wikitext: int = 32            # WikiText-2 validation chunks
+    wikitext_len: int = 128         # tokens per chunk
+    holdout: float = 0.1            # fraction of sequences held out for the acceptance estimate
+    epochs: int = 4
+    batch: int = 8                  # sequences per step
+    lr: float = 1e-3
+    ce_weight: float = 0.1          # EAGLE's weighting: regression 1.0, classification 0.1
+    draft_vocab: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t): the N most frequent target tokens
+    train_seconds: float | None = None  # wall-clock cap on the training loop (stops mid-epoch)
+    seed: int = 0
+    answer_seconds: float | None = None  # wall-clock cap on generating the answers (fewer prompts if reached)
+
+
+@dataclass
+class TrainResult:
+    out: str
+    config: dict
+    n_sequences: int
+    n_train_tokens: int
+    n_heldout_tokens: int
+    n_dropped_prompts: int
+    extract_s: float
+    train_s: float
+    eval_s: float
+    steps: int
+    epochs: list[dict] = field(default_factory=list)  # per epoch: loss, reg, ce, heldout_top1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
+def benchmark_turns(data_dir=None) -> list[str]:
+    """Every Spec-Bench and MT-Bench turn (normalized): what training prompts may not overlap."""
+    turns = []
+    for rel in PROMPT_FILES.values():
+        for row in read_jsonl(data_file(rel, data_dir)):
+            turns += [_norm(t) for t in row.get("turns") or [] if t]
+    return turns
+
+
+def overlaps(text: str, turns: list[str], min_len: int = 20) -> bool:
+    """True when ``text`` equals a turn, or one contains the other (both compared normalized, >= min_len chars)."""
+    t = _norm(text)
+    return any(t == u or (len(t) >= min_len and t in u) or (len(u) >= min_len and u in t) for u in turns)
+
+
+def alpaca_prompts(n: int, data_dir=None, seed: int = 0) -> tuple[list[str], int]:
+    """(up to n Alpaca prompts in a seeded order, number dropped for overlapping a benchmark turn)."""
+    rows = json.loads(data_file(ALPACA, data_dir).read_text())
+    turns = benchmark_turns(data_dir)
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    prompts, dropped = [], 0
+    for i in order:
+        row = rows[i]
+        text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        if overlaps(row["instruction"], turns) or overlaps(text, turns):
+            dropped += 1
+            continue
+        prompts.append(text)
+        if len(prompts) == n:
+            break
+    return prompts, dropped
+
+
+def wikitext_chunks(lm: LoadedModel, n: int, length: int, data_dir=None) -> list[list[int]]:
+    if n <= 0:
+        return []
+    text = data_file(WIKITEXT_VALID, data_dir).read_text()
+    ids = lm.tokenizer.encode(text[: n * length * 8], add_special_tokens=False)
+    return [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)][:n]
+
+
+def build_sequences(lm: LoadedModel, cfg: TrainConfig, data_dir=None, progress: Progress = lambda *a: None):
+    """Token sequences (prompt + the target's own greedy answer; WikiText chunks) and the dropped-prompt count."""
+    prompts, dropped = alpaca_prompts(cfg.n_prompts, data_dir, cfg.seed)
+    decoder = Decoder(lm, 2048)
+    seqs = []
+    t0 = time.perf_counter()
+    for i, text in enumerate(prompts):
+        if cfg.answer_seconds is not None and time.perf_counter() - t0 > cfg.answer_seconds:
+            break
+        ids = encode_prompt(lm.tokenizer, text)[-512:]
+        answer = decoder.generate(ids, cfg.max_answer_tokens).tokens
+        seqs.append(ids + answer)
+        progress("answers", i + 1, len(prompts), "self-distillation")
+    seqs += wikitext_chunks(lm, cfg.n_wikitext, cfg.wikitext_len, data_dir)
+    return seqs, dropped
+
+
+@torch.inference_mode()
+def extract_features(lm: LoadedModel, seqs: list[list[int]], progress: Progress = lambda *a: None):
+    """Teacher-forced final-norm hidden states: [(ids [n], hidden [n, dim] bf16)] per sequence."""
+    decoder = Decoder(lm, max(len(s) for s in seqs))
+    decoder.keep_hidden()
+    out = []
+    for i, seq in enumerate(seqs):
+        decoder.reset()
+        decoder.forward(seq)
+        out.append((torch.tensor(seq), decoder.hidden[: len(seq)].to(torch.bfloat16).clone()))
+        progress("features", i + 1, len(seqs), "teacher-forced hidden states")
+    return out
+
+
+def _batch(items):
+    """Pad to the longest: embeds' token ids [B, T-1] (t+1), inputs [B, T-1, d] (h_t), targets (h_{t+1}), mask."""
+    T = max(len(ids) for ids, _ in items)
+    d = items[0][1].shape[1]
+    B = len(items)
+    tok = torch.zeros(B, T - 1, dtype=torch.long)
+    hin = torch.zeros(B, T - 1, d)
+    hout = torch.zeros(B, T - 1, d)
+    mask = torch.zeros(B, T - 1, dtype=torch.bool)
+    for b, (ids, h) in enumerate(items):
+        n = len(ids) - 1
+        tok[b, :n] = ids[1:]
+        hin[b, :n] = h[:-1].float()
+        hout[b, :n] = h[1:].float()
+        mask[b, :n] = True
+    return tok, hin, hout, mask
+
+
+def head_losses(head, embed, w_vocab, batch, ce_weight):
+    tok, hin, hout, mask = batch
+    pred = head(embed(tok), hin, torch.arange(tok.shape[1]))
+    p, t = pred[mask], hout[mask]
+    reg = F.smooth_l1_loss(p, t)
+    target_p = F.softmax(t @ w_vocab.T, -1)
+    ce = -(target_p * F.log_softmax(p @ w_vocab.T, -1)).sum(-1).mean()
+    return reg + ce_weight * ce, reg, ce
+
+
+@torch.no_grad()
+def heldout_top1(head, embed, w_full, items) -> float:
+    """Share of held-out positions where the draft's greedy token (from the real state at t) is the target's."""
+    hits = total = 0
+    for i in range(0, len(items), 8):
+        tok, hin, hout, mask = _batch(items[i : i + 8])
+        pred = head(embed(tok), hin, torch.arange(tok.shape[1]))
+        hits += int(((pred[mask] @ w_full.T).argmax(-1) == (hout[mask] @ w_full.T).argmax(-1)).sum())
+        total += int(mask.sum())
+    return hits / max(total, 1)
+
+
+def draft_vocabulary(features, vocab_size: int, n: int) -> torch.Tensor:
+    """The n most frequent target tokens in the training sequences, as sorted ids."""
+    if not 1 <= n <= vocab_size:
+        raise UserError(f"--draft-vocab must be in 1..{vocab_size}, got {n}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, _ in features:
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts.topk(n).indices.sort().values
+
+
+def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(), data_dir=None,
+               progress: Progress = lambda *a: None, target_name: str | None = None) -> TrainResult:
+    """Build the training set from ``lm``, train a head, save it to ``out`` (safetensors + config.json)."""
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    seqs, dropped = build_sequences(lm, cfg, data_dir, progress)
+    seqs = [s for s in seqs if len(s) >= 2]
+    features = extract_features(lm, seqs, progress)
+    extract_s = time.perf_counter() - t0
+    random.Random(cfg.seed).shuffle(features)
+    n_held = max(1, int(len(features) * cfg.holdout)) if len(features) > 1 else 0
+    held, train = features[:n_held], features[n_held:]
+    if not train:
+        raise UserError("no training sequences: raise --prompts or --wikitext")
+    model = lm.model
+    embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.detach().float(), freeze=True)
+    w_full = model.lm_head.weight.detach().float()
+    d2t = None
+    w_vocab = w_full
+    if cfg.draft_vocab and cfg.draft_vocab < model.args.vocab_size:
+        ids = draft_vocabulary(train, model.args.vocab_size, cfg.draft_vocab)
+        d2t = ids - torch.arange(len(ids))
+        w_vocab = w_full[ids]
+    head = new_head(lm.config, torch.float32, cfg.seed).train()
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = -(-len(train) // cfg.batch)
+    total_steps = steps_per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / total_steps))
+    train_s = eval_s = 0.0
+    steps, epochs, stop = 0, [], False
+    t_train = time.perf_counter()
+    rng = random.Random(cfg.seed + 1)
+    for epoch in range(cfg.epochs):
+        order = sorted(range(len(train)), key=lambda i: len(train[i][0]))  # similar lengths per batch
+        batches = [order[i : i + cfg.batch] for i in range(0, len(order), cfg.batch)]
+        rng.shuffle(batches)
+        sums = [0.0, 0.0, 0.0]
+        for j, idx in enumerate(batches):
+            loss, reg, ce = head_losses(head, embed, w_vocab, _batch([train[i] for i in idx]), cfg.ce_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            steps += 1
+            for k, v in enumerate((loss, reg, ce)):
+                sums[k] += float(v.detach())
+            progress("train", steps, total_steps, f"epoch {epoch + 1} loss {float(loss.detach()):.4f}")
+            if cfg.train_seconds is not None and time.perf_counter() - t_train > cfg.train_seconds:
+                stop = True
+                break
+        train_s += time.perf_counter() - t_train
+        t_eval = time.perf_counter()
+        head.eval()
+        top1 = heldout_top1(head, embed, w_full, held) if held else float("nan")
+        head.train()
+        eval_s += time.perf_counter() - t_eval
+        n = j + 1
+        epochs.append({"epoch": epoch + 1, "steps": n, "loss": sums[0] / n, "reg": sums[1] / n, "ce": sums[2] / n,
+                       "heldout_top1": top1})
+        progress("epoch", epoch + 1, cfg.epochs, f"held-out first-token acceptance {top1:.3f}")
+        t_train = time.perf_counter()
+        if stop:
+            break
+    extra = {"target": target_name or str(lm.path), "train": asdict(cfg), "heldout_top1": epochs[-1]["heldout_top1"],
+             "steps": steps}
+    save_head(head.eval(), Path(out), head_config(lm.config, len(w_vocab) if d2t is not None else None, extra), d2t)
+    return TrainResult(str(out), asdict(cfg), len(features), sum(len(i) - 1 for i, _ in train),
+                       sum(len(i) - 1 for i, _ in held), dropped, extract_s, train_s, eval_s, steps, epochs)

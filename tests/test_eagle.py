@@ -1,0 +1,202 @@
+"""EAGLE-style draft heads (issue 16): training on the tiny model, exact speculation, refusing bad head files,
+and a negative control (a head blind to the target's hidden state accepts less)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.data import find_data_dir
+from runtime.errors import UserError
+from runtime.generate import Decoder, encode_prompt
+from runtime.loading import load_model
+from specdec.eagle_head import expected_shapes, head_config, load_head, new_head, save_head
+from specdec.speculative import SpeculativeDecoder
+from specdec.train_draft import TrainConfig, alpaca_prompts, overlaps, train_head
+from quantspec.cli import main
+
+FAST = TrainConfig(n_prompts=16, max_answer_tokens=48, n_wikitext=8, wikitext_len=64, epochs=10, batch=4, lr=1e-2)
+PROMPTS = ["hello world, this is", "The quick brown fox", "Name three colors.", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def data_dir():
+    path = find_data_dir(required=False)
+    if path is None or not (path / "alpaca" / "alpaca_5000.json").exists():
+        pytest.skip("no data dir with alpaca/alpaca_5000.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, one_thread):
+    return load_model(tiny_llama_dir, "fp32", attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("head")
+    result = train_head(tiny, out, FAST, data_dir)
+    return out, result
+
+
+def acceptance(lm, spec, texts, k=1, n=48):
+    sd = SpeculativeDecoder(lm, spec, k)
+    acc = drafted = 0
+    for p in texts:
+        stats = sd.generate(encode_prompt(lm.tokenizer, p), n, ignore_eos=True).stats
+        acc, drafted = acc + stats["accepted"], drafted + stats["draft_tokens"]
+    return acc / drafted
+
+
+def test_hidden_hook_leaves_logits_unchanged(tiny):
+    ids = torch.tensor([[1, 5, 9, 40, 7]])
+    pos = torch.arange(5)
+    tiny.model.setup_cache(1, 64)
+    plain = tiny.model(ids, pos)
+    logits, hidden = tiny.model(ids, pos, return_hidden=True)
+    assert torch.equal(plain, logits)
+    assert torch.equal(tiny.model.lm_head(hidden), logits)
+    a, b = Decoder(tiny, 64), Decoder(tiny, 64)
+    b.keep_hidden()
+    assert torch.equal(a.forward([1, 5, 9]), b.forward([1, 5, 9]))
+    assert torch.allclose(b.hidden[:3], hidden[0, :3], atol=1e-5)  # 3 rows vs 5: fp32 GEMMs may round apart
+
+
+def test_training_writes_vllm_eagle_layout(trained, tiny):
+    out, result = trained
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["hidden_size"] == tiny.config["hidden_size"]
+    assert cfg["vocab_size"] == tiny.config["vocab_size"] and "draft_vocab_size" not in cfg
+    state = load_file(out / "model.safetensors")
+    assert set(state) == set(expected_shapes(tiny.model.args))  # fc + layers.0.*, no lm_head / embeddings
+    assert "layers.0.input_layernorm.weight" not in state  # vLLM disables it on EAGLE's first layer
+    assert len(result.epochs) == FAST.epochs and all(0 <= e["heldout_top1"] <= 1 for e in result.epochs)
+    assert result.extract_s > 0 and result.train_s > 0 and result.eval_s > 0 and result.n_heldout_tokens > 0
+    assert result.epochs[-1]["reg"] < result.epochs[0]["reg"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_token_identical(trained, tiny, k):
+    out, _ = trained
+    sd = SpeculativeDecoder(tiny, f"eagle:{out}", k)
+    for p in PROMPTS:
+        ids = tiny.tokenizer.encode(p)
+        plain = Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
+        assert sd.generate(ids, 40, ignore_eos=True).tokens == plain
+
+
+def test_greedy_token_identical_bf16(trained, tiny_llama_dir):
+    out, _ = trained
+    lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
+    sd = SpeculativeDecoder(lm, f"eagle:{out}", 4)
+    for p in PROMPTS[:2]:
+        ids = lm.tokenizer.encode(p)
+        assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(lm).generate(ids, 40, ignore_eos=True).tokens
+
+
+def test_sampling_runs(trained, tiny):
+    from runtime.sampling import SamplingConfig
+
+    out, _ = trained
+    sd = SpeculativeDecoder(tiny, f"eagle:{out}", 3, SamplingConfig(temperature=0.8, seed=1))
+    res = sd.generate(tiny.tokenizer.encode(PROMPTS[0]), 30, ignore_eos=True)
+    assert len(res.tokens) == 30 and res.stats["draft_tokens"] > 0
+
+
+def test_negative_control_blind_head_accepts_less(trained, tiny, data_dir, tmp_path):
+    """On the target's own answers to unseen instructions, the trained head accepts measurably more than the same
+    head with its hidden-state input zeroed. (An untrained head is no control here: its fc starts as a
+    pass-through, which drafts "repeat the last token", and the random tiny model's greedy text mostly repeats.)"""
+    out, _ = trained
+    head, _, cfg = load_head(out, tiny.config, torch.float32)
+    with torch.no_grad():
+        head.fc.weight[:, tiny.model.args.dim:] = 0
+    save_head(head, tmp_path / "blind", cfg)
+    texts = alpaca_prompts(FAST.n_prompts + 4, data_dir, FAST.seed)[0][-4:]  # not among the training prompts
+    alphas = {name: acceptance(tiny, f"eagle:{path}", texts) for name, path in
+              (("trained", out), ("blind", tmp_path / "blind"))}
+    assert alphas["trained"] > alphas["blind"] + 0.1, alphas
+
+
+def test_reduced_draft_vocabulary(tiny, data_dir, tmp_path):
+    cfg = TrainConfig(n_prompts=8, max_answer_tokens=32, n_wikitext=4, wikitext_len=64, epochs=2, batch=4,
+                      draft_vocab=48)
+    train_head(tiny, tmp_path, cfg, data_dir)
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 48
+    assert load_file(tmp_path / "model.safetensors")["d2t"].shape == (48,)
+    _, d2t, _ = load_head(tmp_path, tiny.config, torch.float32)
+    assert d2t.shape == (48,) and len(set(d2t.tolist())) == 48
+    sd = SpeculativeDecoder(tiny, f"eagle:{tmp_path}", 3)
+    ids = tiny.tokenizer.encode(PROMPTS[1])
+    assert sd.generate(ids, 32, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 32, ignore_eos=True).tokens
+
+
+def test_benchmark_overlap_filter(data_dir):
+    turns = ["write a persuasive essay about the benefits of renewable energy sources."]
+    assert overlaps("Write a persuasive essay about the benefits of  renewable energy sources.", turns)
+    assert not overlaps("Name three colors.", turns)
+    prompts, dropped = alpaca_prompts(5000, data_dir)
+    assert dropped >= 1 and len(prompts) + dropped == 5000
+
+
+def _bad_heads(tiny, trained, root):
+    """(dir, expected error fragment) for heads that must be refused."""
+    out, _ = trained
+    cases = []
+    wrong = root / "hidden"  # a head for a target with another hidden size
+    other = {**tiny.config, "hidden_size": 32, "intermediate_size": 64}
+    save_head(new_head(other), wrong, head_config(other))
+    cases.append((wrong, "hidden size 32"))
+    vocab = root / "vocab"
+    vocab.mkdir()
+    (vocab / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    (vocab / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "vocab_size": 999}))
+    cases.append((vocab, "vocabulary of 999"))
+    nod2t = root / "nod2t"
+    nod2t.mkdir()
+    (nod2t / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    (nod2t / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()),
+                                                   "draft_vocab_size": 32}))
+    cases.append((nod2t, "no d2t"))
+    pickled = root / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((out / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    cases.append((pickled, "pickled weights are code"))
+    shape = root / "shape"
+    state = load_file(out / "model.safetensors")
+    state["layers.0.mlp.up_proj.weight"] = torch.zeros(7, tiny.config["hidden_size"], dtype=torch.bfloat16)
+    shape.mkdir()
+    save_file(state, str(shape / "model.safetensors"))
+    (shape / "config.json").write_text((out / "config.json").read_text())
+    cases.append((shape, "up_proj.weight has shape (7,"))
+    cases.append((root / "missing", "not a directory"))
+    return cases
+
+
+def test_bad_heads_refused_in_one_line(tiny, trained, tmp_path, tiny_llama_dir, data_dir, capsys):
+    for path, needle in _bad_heads(tiny, trained, tmp_path):
+        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+            SpeculativeDecoder(tiny, f"eagle:{path}", 2)
+        with pytest.raises(SystemExit) as exc:
+            main(["accept", str(tiny_llama_dir), "--spec", f"eagle:{path}", "--k", "1", "--limit", "1", "-n", "4",
+                  "--dtype", "fp32", "--data-dir", str(data_dir)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "h"), "--prompts", "4",
+              "--max-answer-tokens", "16", "--wikitext", "2", "--wikitext-len", "32", "--epochs", "1", "--batch", "2",
+              "--dtype", "fp32", "--data-dir", str(data_dir)])
+    assert exc.value.code == 0
+    assert (tmp_path / "h" / "model.safetensors").exists()
+    assert "eagle:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
+    assert exc.value.code == 2
