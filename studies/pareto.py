@@ -258,7 +258,7 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
         ax.annotate(r.label, (r.tok_s, r.quality), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhline(summary.floor_value, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
     ax.set_xlabel("effective output tokens / s")
-    ax.set_ylabel("quality (>= floor passes the paired-bootstrap verdict)")
+    ax.set_ylabel("quality (>= floor passes the paired floor verdict)")
     ax.set_title(f"{summary.name}: speed vs quality")
     ax.legend(fontsize=8)
     fig.tight_layout()
