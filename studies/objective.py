@@ -192,6 +192,8 @@ class RealEvaluator:
     def output_length(self, config: TrialConfig) -> dict:
         if config not in self._lengths:
             self.speed(config)
+        if "error" in self._lengths[config]:
+            raise UserError(f"the natural end-of-turn run (length gate) failed: {self._lengths[config]['error']}")
         return self._lengths[config]
 
     def speed(self, config: TrialConfig) -> SpeedResult:
@@ -204,6 +206,7 @@ class RealEvaluator:
         try:
             result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
                                    num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+            t_natural = time.perf_counter()
             natural = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
                                     num_prompts=self.num_prompts, output_len=self.length_tokens, ignore_eos=False,
                                     data_dir=self.data_dir)
@@ -213,12 +216,15 @@ class RealEvaluator:
         if result.failed:
             raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
         self._tokens[config] = [r.token_ids for r in result.results]
-        if not natural.failed:
+        if natural.failed:
+            self._lengths[config] = {"error": str(natural.summary.get("error"))}
+        else:
             counts = [len(r.token_ids) for r in natural.results]
             self._lengths[config] = {"mean_tokens": sum(counts) / len(counts), "max_tokens": self.length_tokens,
                                      "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts)}
         return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=result.record.to_dict(),
-                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1})
+                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1,
+                                  "length_run_s": t2 - t_natural})
 
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""

@@ -223,6 +223,7 @@ class TrialRunner:
             self._prune(trial, reason)
         try:
             quality, speed = self._measure(trial, config)
+            length = trial.user_attrs.get("length") or self._length_gate(config, speed)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -235,7 +236,6 @@ class TrialRunner:
         basis = trial.user_attrs.get("quality_basis") or {}
         if config.speculative:
             trial.set_constraint(EXACTNESS, 0.0 if basis.get("kind") != "infeasible" else 1.0)
-        length = self._length_gate(config, speed)
         trial.set_user_attr("length", length)
         if length.get("constraint") is not None:
             trial.set_constraint(LENGTH, length["constraint"])
@@ -259,7 +259,7 @@ class TrialRunner:
         duplicate = self._finished_duplicate(config)
         if duplicate is not None:  # same point already measured in this study: reuse, do not re-measure
             trial.set_user_attr("duplicate_of", duplicate.number)
-            for key in ("quality_basis", "exact_check"):
+            for key in ("quality_basis", "exact_check", "length"):
                 if key in duplicate.user_attrs:
                     trial.set_user_attr(key, duplicate.user_attrs[key])
             return (QualityResult.from_dict(duplicate.user_attrs["quality"]),
