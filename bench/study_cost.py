@@ -4,10 +4,12 @@ speed runs, greedy-equality checks, and the rest (Optuna, storage, pruned points
 Usage: flock /tmp/qs-bench.lock python bench/study_cost.py [--n-trials 30] [--space default] [--limit 200]
 Quality is cached per model transformation inside the study and on disk by evals (a second run of this script
 finds every eval cached); the record states how many quality evals were computed vs served from the cache.
-Writes bench/results/study_cost.json (a full run record) and prints the breakdown.
+Writes bench/results/study_cost.json (a full run record), keeps the study (SQLite, bench/results/study_cost/
+study.db, a fresh study each run) and its table (bench/results/study_cost-pareto.json), so the search result
+can be re-rendered: ``quantspec pareto --study-dir bench/results/study_cost --study-name study-cost``.
+Prints the breakdown.
 """
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from studies.objective import get_evaluator
-from studies.pareto import footer_lines, rich_table, summarize
+from studies.pareto import footer_lines, rich_table, summarize, write_json
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import load_space
 
@@ -64,6 +66,13 @@ class TimedEvaluator:
         self.counts["speed"] += 1
         return result
 
+    def exactness(self, config):
+        return self.inner.exactness(config)
+
+    def output_length(self, config):
+        """Measured inside speed() (natural end-of-turn run on the same engine); a twin not yet run counts here."""
+        return self._timed("speed_run", self.inner.output_length, config)
+
     def greedy_tokens(self, config):
         """Inner calls (the non-speculative twin's run when not yet measured) count here, not under speed."""
         return self._timed("greedy_check", self.inner.greedy_tokens, config)
@@ -79,22 +88,27 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
+    parser.add_argument("--study-dir", default=str(Path(__file__).parent / "results" / "study_cost"),
+                        help="where the study's SQLite file is kept (replaced by each run)")
     args = parser.parse_args()
 
     evaluator = TimedEvaluator(get_evaluator("real", limit=args.limit, num_prompts=args.prompts,
                                              output_len=args.new_tokens, threads=args.threads))
     space = load_space(args.space)
-    with tempfile.TemporaryDirectory() as study_dir:
-        settings = SearchSettings(space=space, n_trials=args.n_trials, study_dir=Path(study_dir), seed=args.seed)
-        t0 = time.perf_counter()
-        outcome = run_search(settings, evaluator, on_trial=lambda study, trial: print(
-            f"[{time.perf_counter() - t0:7.0f} s] #{trial.number} {trial.state.name:8s} "
-            f"{trial.user_attrs.get('label', '')}: {({k: round(v) for k, v in evaluator.seconds.items()})}",
-            flush=True))
-        wall = time.perf_counter() - t0
-        summary = summarize(outcome.study)
-        states = [t.state.name for t in outcome.study.get_trials(deepcopy=False)]
-        n_finished = len(finished_trials(outcome.study))
+    study_dir = Path(args.study_dir)
+    (study_dir / "study.db").unlink(missing_ok=True)  # this run's study only
+    settings = SearchSettings(space=space, n_trials=args.n_trials, study_dir=study_dir, seed=args.seed,
+                              study_name="study-cost", create=True)
+    t0 = time.perf_counter()
+    outcome = run_search(settings, evaluator, on_trial=lambda study, trial: print(
+        f"[{time.perf_counter() - t0:7.0f} s] #{trial.number} {trial.state.name:8s} "
+        f"{trial.user_attrs.get('label', '')}: {({k: round(v) for k, v in evaluator.seconds.items()})}",
+        flush=True))
+    wall = time.perf_counter() - t0
+    summary = summarize(outcome.study)
+    states = [t.state.name for t in outcome.study.get_trials(deepcopy=False)]
+    n_finished = len(finished_trials(outcome.study))
+    table_path = write_json(summary, Path(args.out).with_name(Path(args.out).stem + "-pareto.json"))
     seconds = dict(evaluator.seconds)
     seconds["other"] = wall - sum(seconds.values())
     console = Console(width=200)
@@ -120,7 +134,9 @@ if __name__ == "__main__":
                                    f"limit {args.limit} (quality)", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native (per trial: load + quantize + bench)", {
-            "space": space.to_dict(), "sampler": settings.sampler, "seed": args.seed, "storage": "sqlite (temp dir)"},
+            "space": space.to_dict(), "sampler": settings.sampler, "seed": args.seed,
+            "storage": f"sqlite ({study_dir / 'study.db'}, study 'study-cost')", "table": str(table_path),
+            "length_band": settings.length_band},
             warmup="run_benchmark warms each engine on a non-workload prompt",
             cache_warmth="eval results cached on disk by evals (a warm cache makes quality nearly free)"),
         metric=MetricCondition(

@@ -281,7 +281,8 @@ def compare(config: EvalConfig, tests: dict[str, TaskResult], refs: dict[str, Ta
         if task in refs:
             t, r = _paired(test, refs[task])
             if t:
-                out[task] = check_floor(t, r, floor, config.confidence, seed=config.seed)
+                out[task] = check_floor(t, r, floor, config.confidence, seed=config.seed,
+                                        identical=not config.quantized)
     return out
 
 
@@ -360,7 +361,7 @@ def _record(config, path, model_hash, tests, comparison, fidelity, verdict, note
                                warmup="none (accuracy, not speed)", cache_warmth="n/a"),
         metric=MetricCondition(
             {"acc": "lm-eval acc (argmax of summed loglikelihood over choices)",
-             "delta": "acc_test - acc_ref on the same items, paired bootstrap percentile CI",
+             "delta": "acc_test - acc_ref on the same items, paired bootstrap percentile CI (floor: score interval of the margin)",
              "flips": "items whose correctness differs from the unquantized reference (lost/gained)",
              "kl": "mean/p99 over WikiText-2 tokens of KL(p_ref || p_test), nats",
              "floor": "pass iff lower CI bound of acc_test - f*acc_ref (relative) or acc_test - a (absolute) >= 0"},

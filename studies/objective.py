@@ -16,6 +16,7 @@ from runtime.loading import set_threads
 from runtime.model_store import resolve_model
 from evals.harness import EvalConfig, evaluate
 from evals.backends import open_backend
+from evals.backends.vllm_engine import exported_checkpoint
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
 
@@ -81,6 +82,12 @@ class TrialEvaluator(Protocol):
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
         """Greedy output tokens on the evaluator's fixed prompts (checks that speculation leaves outputs unchanged)."""
 
+    # optional (the search records "not measured"/"not by construction" without them):
+    # exactness(config) -> {"by_construction": bool, "why": str}: does speculation on the kernels this point runs
+    #     leave greedy outputs unchanged by construction?
+    # output_length(config) -> {"mean_tokens": float, "eot_rate": float}: natural end-of-turn generation on the
+    #     speed prompts (the length gate)
+
 
 EVALUATORS: Registry[Callable[..., TrialEvaluator]] = Registry("evaluator")
 register_evaluator = EVALUATORS.register
@@ -96,7 +103,10 @@ class RealEvaluator:
     greedy, fixed output length on the first ``num_prompts`` Spec-Bench prompts, one engine per trial (its start
     is timed separately and excluded from tok/s). Quality: ``evals.harness.evaluate`` (lm-eval tasks scored on
     the native runtime in bf16, as served, against the unquantized bf16 reference on the same items; paired
-    bootstrap floor; WikiText-2 KL). vLLM points reuse the native quality of the same scheme, method and KV.
+    floor test; WikiText-2 KL). A vLLM point's quality is measured through vLLM in its serving dtype on its
+    compressed-tensors export (lm-eval's ``vllm`` model, against the unquantized model served the same way);
+    where that cannot run here the point is skipped with the reason. Output length: the speed prompts generated
+    again with natural end-of-turn up to ``length_tokens``.
 
     Floors are ``evals.floor.Floor`` texts: ``0.99`` (relative to the reference) or ``abs:0.40``. evals passes a
     configuration iff the lower CI bound of the margin m (acc - f * acc_ref, or acc - a) is >= 0. The quality
@@ -109,11 +119,14 @@ class RealEvaluator:
 
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
-                 fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None, **_):
+                 fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None,
+                 length_tokens: int = 256, **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
         self.floor, self.threads = floor, threads
+        self.length_tokens = length_tokens
         self._tokens: dict[TrialConfig, list[list[int]]] = {}
+        self._lengths: dict[TrialConfig, dict] = {}
 
     def floor_value(self, floor: str) -> float:
         return Floor.parse(floor).value
@@ -121,7 +134,8 @@ class RealEvaluator:
     def describe(self) -> dict:
         return {"evaluator": "real", "tasks": self.tasks, "limit": self.limit, "fidelity_windows": self.fidelity_windows,
                 "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
-                "quality_dtype": "bf16", "load": "closed loop, concurrency 1", "threads": self.threads}
+                "quality_dtype": "bf16 (native), serving dtype (vllm)",
+                "length_tokens": self.length_tokens, "load": "closed loop, concurrency 1", "threads": self.threads}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
         self.floor_value(floor)
@@ -131,10 +145,13 @@ class RealEvaluator:
         resolve_model(space.model)
 
     def quality(self, config: TrialConfig) -> QualityResult:
-        point = replace(config.transformation, backend="native", dtype="bf16")
-        report = evaluate(EvalConfig(
-            point, tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir,
-            fidelity_windows=self.fidelity_windows, progress=False))
+        if config.backend == "vllm":
+            report = self._vllm_report(config)
+        else:
+            point = replace(config.transformation, backend="native", dtype="bf16")
+            report = evaluate(EvalConfig(
+                point, tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir,
+                fidelity_windows=self.fidelity_windows, progress=False))
         floor = Floor.parse(self.floor)
 
         def value(c) -> float:
@@ -148,6 +165,37 @@ class RealEvaluator:
             kl=fid.mean_kl if fid else (0.0 if not config.quantized_weights and config.kv == "none" else None),
             perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
 
+    def _vllm_report(self, config: TrialConfig):
+        """lm-eval through vLLM on the point's export, in its serving dtype (the harness caches per export)."""
+        try:
+            base = config.transformation
+            model = exported_checkpoint(serving_config(base)) if base.quantized_weights else base.model
+            point = replace(base, model=str(model), weights="none", activations="none", method=None,
+                            backend="vllm")
+            return evaluate(EvalConfig(point, tasks=self.tasks, limit=self.limit, floor=self.floor,
+                                       data_dir=self.data_dir, reference_model=str(resolve_model(base.model)),
+                                       fidelity_windows=0, progress=False))
+        except UserError:
+            raise
+        except Exception as exc:  # no vLLM here, or it cannot load the export: the point cannot be scored
+            raise UserError(f"vLLM quality could not be measured here ({type(exc).__name__}: {exc}); a vLLM point "
+                            "never borrows native quality, so it is skipped") from exc
+
+    def exactness(self, config: TrialConfig) -> dict:
+        if config.backend != "native":
+            return {"by_construction": False, "why": f"{config.backend}'s kernels are not probed for batch invariance"}
+        if config.dtype != "bf16":
+            return {"by_construction": False, "why": f"{config.dtype} GEMMs are not batch-invariant here"}
+        return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
+                "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
+
+    def output_length(self, config: TrialConfig) -> dict:
+        if config not in self._lengths:
+            self.speed(config)
+        if "error" in self._lengths[config]:
+            raise UserError(f"the natural end-of-turn run (length gate) failed: {self._lengths[config]['error']}")
+        return self._lengths[config]
+
     def speed(self, config: TrialConfig) -> SpeedResult:
         import time
 
@@ -158,14 +206,25 @@ class RealEvaluator:
         try:
             result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
                                    num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+            t_natural = time.perf_counter()
+            natural = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
+                                    num_prompts=self.num_prompts, output_len=self.length_tokens, ignore_eos=False,
+                                    data_dir=self.data_dir)
         finally:
             backend.close()
         t2 = time.perf_counter()
         if result.failed:
             raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
         self._tokens[config] = [r.token_ids for r in result.results]
+        if natural.failed:
+            self._lengths[config] = {"error": str(natural.summary.get("error"))}
+        else:
+            counts = [len(r.token_ids) for r in natural.results]
+            self._lengths[config] = {"mean_tokens": sum(counts) / len(counts), "max_tokens": self.length_tokens,
+                                     "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts)}
         return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=result.record.to_dict(),
-                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1})
+                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1,
+                                  "length_run_s": t2 - t_natural})
 
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""

@@ -37,6 +37,10 @@ class Row:
     feasible: bool | None = None
     pareto: bool = False
     exact: dict | None = None  # greedy-output equality of a speculative config vs its non-speculative twin
+    quality_basis: str | None = None  # measured | exact by construction | verified | infeasible: why
+    length_ratio: float | None = None  # mean output tokens (natural end-of-turn) / the reference's
+    eot_rate: float | None = None  # share of outputs that ended at end-of-turn before the limit
+    infeasible_because: list[str] = field(default_factory=list)  # the constraints it breaks
     duplicate_of: int | None = None
     reason: str | None = None  # pruned reason or error
     notes: list[str] = field(default_factory=list)
@@ -51,6 +55,7 @@ class StudySummary:
     reference: dict | None
     rows: list[Row]  # every trial
     notes: dict[str, str] = field(default_factory=dict)  # marker -> caveat
+    length_band: list | None = None  # the output-length gate (None: off)
 
     @property
     def measured(self) -> list[Row]:
@@ -64,7 +69,7 @@ class StudySummary:
 
     def to_dict(self) -> dict:
         return {"study": self.name, "mode": self.mode, "floor": self.floor, "floor_value": self.floor_value,
-                "reference": self.reference,
+                "reference": self.reference, "length_band": self.length_band or "off",
                 "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
 
 
@@ -77,17 +82,28 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
     attrs = trial.user_attrs
     config = attrs.get("config") or {}
     quality, speed = attrs.get("quality") or {}, attrs.get("speed") or {}
-    constraint = trial.constraints.get("quality_floor")
+    constraints = trial.constraints or {}
+    basis, length = attrs.get("quality_basis") or {}, attrs.get("length") or {}
     row = Row(
         number=trial.number, state=trial.state.name, label=attrs.get("label", ""),
         backend=config.get("backend", ""), config=config, tok_s=speed.get("tok_s"),
         quality=quality.get("value"), accuracy=quality.get("accuracy"), delta=quality.get("delta"),
         ci=quality.get("ci"), flips=quality.get("flips"), kl=quality.get("kl"),
         alpha=speed.get("alpha"), tau=speed.get("tau"),
-        feasible=None if constraint is None else constraint <= 0, exact=attrs.get("exact_check"),
+        feasible=None if "quality_floor" not in constraints else all(v <= 0 for v in constraints.values()),
+        exact=attrs.get("exact_check"),
+        quality_basis=(f"{basis['kind']}: {basis['why']}" if basis else None),
+        length_ratio=length.get("ratio"), eot_rate=length.get("eot_rate"),
         duplicate_of=attrs.get("duplicate_of"),
         reason=attrs.get("pruned_reason") or attrs.get("error") or attrs.get("stale") or attrs.get("surplus"),
     )
+    for name, value in constraints.items():
+        if value > 0:
+            row.infeasible_because.append(
+                "below the quality floor" if name == "quality_floor" else
+                f"quality not applicable ({basis.get('why', 'outputs differ')})" if name == "exactness" else
+                f"output length {length.get('ratio', float('nan')):.2f}x the reference's, outside "
+                f"{length.get('band')}" if name == "length_band" else name)
     if config.get("weights", "").startswith(Q4_1_SCHEME) and is_default_model(config.get("model", "")):
         row.notes.append("q4_1")
     return row
@@ -104,7 +120,7 @@ def summarize(study: optuna.Study) -> StudySummary:
             r.speedup = r.tok_s / ref_rows[0].tok_s if r.tok_s else None
     summary = StudySummary(study.study_name, study.user_attrs.get("mode", "constrained"),
                            str(study.user_attrs.get("floor")), study.user_attrs.get("floor_value", float("nan")),
-                           reference, rows)
+                           reference, rows, length_band=study.user_attrs.get("length_band"))
     requeued = {t.system_attrs["failed_trial"]: t.number for t in trials if "failed_trial" in t.system_attrs}
     for r in rows:
         if r.state == "FAIL" and not r.reason and r.number in requeued:
@@ -145,12 +161,21 @@ def _exact_cell(r: Row) -> str:
     return f"{'yes' if r.exact['equal'] else 'NO'} {n_equal}/{r.exact['n_prompts']}"
 
 
+def _basis_cell(r: Row) -> str:
+    if not r.quality_basis:
+        return ""
+    kind = r.quality_basis.split(":", 1)[0]
+    return {"exact by construction": "exact (constr.)", "infeasible": "[red]infeasible[/]"}.get(kind, kind)
+
+
 def rich_table(summary: StudySummary) -> Table:
-    table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}); "
+    table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}, "
+                        f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}); "
                         "* = Pareto-optimal among feasible rows", title_justify="left")
     for col, justify in (("", "center"), ("#", "right"), ("config", "left"), ("backend", "left"),
                          ("tok/s", "right"), ("speedup", "right"), ("acc % (Δ [CI])", "right"), ("flips", "right"),
-                         ("KL", "right"), ("α / τ", "right"), ("greedy =", "right"), ("floor", "center")):
+                         ("KL", "right"), ("α / τ", "right"), ("greedy =", "right"), ("quality", "left"),
+                         ("len ×ref", "right"), ("EOT", "right"), ("feasible", "center")):
         table.add_column(col, justify=justify)
     for r in summary.measured:
         label = r.label + ("  †" if "q4_1" in r.notes else "")
@@ -158,7 +183,8 @@ def rich_table(summary: StudySummary) -> Table:
         spec = f"{r.alpha:.2f} / {r.tau:.2f}" if r.alpha is not None and r.tau is not None else ""
         table.add_row("*" if r.pareto else "", str(r.number), label, r.backend, _fmt(r.tok_s, ".1f"),
                       _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _accuracy_cell(r),
-                      _fmt(r.flips, "d"), _fmt(r.kl, ".4f"), spec, _exact_cell(r), verdict,
+                      _fmt(r.flips, "d"), _fmt(r.kl, ".4f"), spec, _exact_cell(r), _basis_cell(r),
+                      _fmt(r.length_ratio, ".2f"), _fmt(r.eot_rate, ".0%"), verdict,
                       style=None if r.feasible is not False else "dim")
     return table
 
@@ -166,6 +192,9 @@ def rich_table(summary: StudySummary) -> Table:
 def footer_lines(summary: StudySummary) -> list[str]:
     """Caveats, skipped trials with their reasons, and duplicates, one line each."""
     lines = [f"† {text}" for text in summary.notes.values()]
+    for r in summary.measured:
+        if r.infeasible_because:
+            lines.append(f"#{r.number} {r.label} infeasible: {'; '.join(r.infeasible_because)}")
     duplicates = sum(r.duplicate_of is not None for r in summary.rows)
     if duplicates:
         lines.append(f"{duplicates} trial(s) re-sampled an already measured config and reused its numbers")
@@ -178,7 +207,8 @@ def footer_lines(summary: StudySummary) -> list[str]:
 
 
 CSV_FIELDS = ("number", "state", "label", "backend", "tok_s", "speedup", "quality", "accuracy", "delta", "ci_low",
-              "ci_high", "flips", "kl", "alpha", "tau", "feasible", "pareto", "exact", "duplicate_of", "reason", "notes")
+              "ci_high", "flips", "kl", "alpha", "tau", "feasible", "pareto", "exact", "quality_basis", "length_ratio", "eot_rate",
+              "duplicate_of", "reason", "notes")
 
 
 def write_csv(summary: StudySummary, path: str | Path) -> Path:
@@ -228,7 +258,7 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
         ax.annotate(r.label, (r.tok_s, r.quality), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhline(summary.floor_value, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
     ax.set_xlabel("effective output tokens / s")
-    ax.set_ylabel("quality (>= floor passes the paired-bootstrap verdict)")
+    ax.set_ylabel("quality (>= floor passes the paired floor verdict)")
     ax.set_title(f"{summary.name}: speed vs quality")
     ax.legend(fontsize=8)
     fig.tight_layout()

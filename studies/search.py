@@ -1,11 +1,28 @@
 """Optuna search: maximise effective tokens/s subject to quality >= floor, or the (speed, quality) Pareto front.
 
 One trial = one ``TrialConfig`` sampled from the space. Points no backend can run are pruned with the reason
-as user attr ``pruned_reason``. Quality is measured once per model transformation (``config.quality_key``)
-and shared through the study's user attrs, because exact verification makes speculative settings leave
-outputs unchanged; a sampled fraction of speculative trials re-checks that claim on greedy outputs
-(user attr ``exact_check``). The floor is a constraint set with ``Trial.set_constraint`` (Optuna 5's
-replacement for the deprecated ``constraints_func``; TPE and NSGA-II both read it): floor - quality <= 0.
+as user attr ``pruned_reason``. Quality is measured once per model transformation *and serving backend/dtype*
+(``study_quality_key``: a vLLM point is scored through vLLM on its export, never given the native number) and
+shared through the study's user attrs.
+
+Quality is never borrowed across different outputs. A speculative trial reuses the quality of its
+non-speculative twin only when (user attr ``quality_basis``, shown in the table):
+
+* ``exact by construction``: the evaluator states that the kernels it ran make speculation token-exact (native
+  bf16: eager attention and every linear kernel probed row-invariant, ``specdec.speculative.check_bf16_exact``);
+  a sampled fraction of these is still re-checked on greedy outputs; or
+* ``verified``: its greedy outputs on the evaluator's prompts equal the twin's (``exact_check``, always run when
+  exactness does not hold by construction).
+
+A trial whose greedy outputs differ from its twin's is **infeasible** (constraint ``exactness`` = 1) with the
+reason recorded: the quality tasks score log-likelihoods of the target model, which speculation does not
+touch, so re-measuring them would only copy the twin's number again; the outputs it would serve are not those.
+
+Constraints, set with ``Trial.set_constraint`` (Optuna 5's replacement for the deprecated ``constraints_func``;
+TPE and NSGA-II both read them; feasible = all <= 0): ``quality_floor`` = floor - quality; ``exactness``
+(speculative trials); ``length_band`` (MLPerf's second gate: mean output tokens per sample with natural
+end-of-turn, divided by the reference's, must lie in ``--length-band``; max(lo - r, r - hi) <= 0; off with
+``--length-band off``, recorded in the study).
 
 Several workers on one study end with exactly ``n_trials`` finished trials: a worker starts a trial only while
 finished + in-flight trials are fewer, and a trial that two workers started at once beyond the target ends FAIL
@@ -31,7 +48,9 @@ from studies.storage import (GRACE_S, HEARTBEAT_S, WORKER_ATTR, awaiting_trials,
 
 DEFAULT_STUDY_DIR = Path("runs/search")
 DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
-CONSTRAINT = "quality_floor"
+CONSTRAINT, EXACTNESS, LENGTH = "quality_floor", "exactness", "length_band"
+DEFAULT_LENGTH_BAND = (0.9, 1.1)
+REFERENCE_LENGTH_ATTR = "reference_length"
 QUALITY_ATTR = "quality/"  # study user attr prefix, one entry per quality key
 CLAIM_ATTR, SURPLUS_ATTR = "quality_claim", "surplus"
 CLAIM_SETTLE_S = 0.3  # a claimant looks for rivals this long after claiming, so concurrent claims see each other
@@ -57,7 +76,8 @@ class SearchSettings:
     study_dir: Path = DEFAULT_STUDY_DIR
     create: bool = False
     resume: bool = False
-    exact_fraction: float = 0.25  # share of speculative trials whose greedy outputs are re-checked
+    exact_fraction: float = 0.25  # share of exact-by-construction speculative trials re-checked on greedy outputs
+    length_band: tuple[float, float] | None | str = DEFAULT_LENGTH_BAND  # None or "off": no length gate
     timeout_s: float | None = None
     heartbeat_s: int = HEARTBEAT_S  # RDB storages: a worker's heartbeat interval ...
     grace_s: int = GRACE_S  # ... and the silence after which its RUNNING trial is failed and re-queued
@@ -71,8 +91,29 @@ class SearchSettings:
             raise UserError(f"unknown sampler {self.sampler!r}: use {', '.join(SAMPLERS)}")
         if not 0.0 <= self.exact_fraction <= 1.0:
             raise UserError(f"--exact-fraction must be in [0, 1], got {self.exact_fraction}")
+        self.length_band = parse_length_band(self.length_band)
         if not 1 <= self.heartbeat_s < self.grace_s:
             raise UserError(f"need 1 <= --heartbeat < --grace (seconds), got {self.heartbeat_s} and {self.grace_s}")
+
+
+def parse_length_band(text) -> tuple[float, float] | None:
+    """``0.9,1.1`` -> (0.9, 1.1); ``off``/None -> None (no output-length gate)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none", "")):
+        return None
+    try:
+        lo, hi = (float(x) for x in (text.split(",") if isinstance(text, str) else text))
+    except (ValueError, TypeError):
+        raise UserError(f"--length-band {text!r}: use LO,HI (e.g. 0.9,1.1) or off") from None
+    if not 0 < lo <= 1 <= hi:
+        raise UserError(f"--length-band needs 0 < LO <= 1 <= HI, got {lo},{hi}")
+    return lo, hi
+
+
+def study_quality_key(config: TrialConfig) -> str:
+    """The quality cache key of a point: its transformation, and for other backends the backend and dtype too
+    (a vLLM point's quality is measured through vLLM in its serving dtype, never borrowed from native)."""
+    key = config.transformation.quality_key
+    return key if config.backend == "native" else f"{key}|backend={config.backend}|dtype={config.dtype}"
 
 
 def open_study(settings: SearchSettings, default_floor: str | None = None) -> optuna.Study:
@@ -182,6 +223,7 @@ class TrialRunner:
             self._prune(trial, reason)
         try:
             quality, speed = self._measure(trial, config)
+            length = trial.user_attrs.get("length") or self._length_gate(config, speed)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -191,6 +233,12 @@ class TrialRunner:
         trial.set_user_attr("speed", speed.to_dict() | {"record": None})
         trial.set_user_attr("record", speed.record)
         trial.set_constraint(CONSTRAINT, self.floor - quality.value)
+        basis = trial.user_attrs.get("quality_basis") or {}
+        if config.speculative:
+            trial.set_constraint(EXACTNESS, 0.0 if basis.get("kind") != "infeasible" else 1.0)
+        trial.set_user_attr("length", length)
+        if length.get("constraint") is not None:
+            trial.set_constraint(LENGTH, length["constraint"])
         return speed.tok_s if self.settings.mode == "constrained" else (speed.tok_s, quality.value)
 
     def _refuse_surplus(self, trial: optuna.Trial) -> None:
@@ -211,13 +259,63 @@ class TrialRunner:
         duplicate = self._finished_duplicate(config)
         if duplicate is not None:  # same point already measured in this study: reuse, do not re-measure
             trial.set_user_attr("duplicate_of", duplicate.number)
+            for key in ("quality_basis", "exact_check", "length"):
+                if key in duplicate.user_attrs:
+                    trial.set_user_attr(key, duplicate.user_attrs[key])
             return (QualityResult.from_dict(duplicate.user_attrs["quality"]),
                     SpeedResult(**duplicate.user_attrs["speed"] | {"record": duplicate.user_attrs.get("record")}))
         speed = self.evaluator.speed(config)  # first: a point the engine refuses fails fast, before quality
         quality = self.quality(config, trial)
-        if config.speculative and self._sampled_for_exact_check(trial.number):
-            trial.set_user_attr("exact_check", self.exact_check(config))
+        trial.set_user_attr("quality_basis", self.quality_basis(trial, config))
         return quality, speed
+
+    def quality_basis(self, trial: optuna.Trial, config: TrialConfig) -> dict:
+        """Why this trial's quality applies to the outputs it serves (see the module docstring)."""
+        backend = f"{config.backend} {config.dtype}"
+        if not config.speculative:
+            return {"kind": "measured", "why": f"its own transformation, scored on {backend}"}
+        probe = getattr(self.evaluator, "exactness", None)
+        construction = probe(config) if probe is not None else {
+            "by_construction": False, "why": "the evaluator does not state exactness by construction"}
+        if construction["by_construction"] and not self._sampled_for_exact_check(trial.number):
+            return {"kind": "exact by construction", "why": construction["why"]}
+        check = self.exact_check(config)
+        trial.set_user_attr("exact_check", check)
+        n_equal = sum(check["equal_per_prompt"])
+        if check["equal"]:
+            if construction["by_construction"]:
+                return {"kind": "exact by construction", "why": construction["why"],
+                        "verified": f"{n_equal}/{check['n_prompts']} greedy outputs equal"}
+            return {"kind": "verified", "why": f"greedy outputs equal its non-speculative twin's on "
+                                               f"{n_equal}/{check['n_prompts']} prompts ({construction['why']})"}
+        diverge = [d for d in check["first_divergence"] if d is not None]
+        return {"kind": "infeasible", "why": (
+            f"greedy outputs differ from its non-speculative twin's on {check['n_prompts'] - n_equal}/"
+            f"{check['n_prompts']} prompts (first divergence at token {min(diverge)})"
+            + (" although the kernel probe called it exact" if construction["by_construction"] else
+               f" ({construction['why']})")
+            + ": the twin's quality does not apply, and the quality tasks (log-likelihoods of the target model, "
+              "which speculation does not change) cannot measure what this generator emits")}
+
+    def _length_gate(self, config: TrialConfig, speed: SpeedResult) -> dict:
+        """Mean output tokens per sample (natural end-of-turn) vs the reference's, and the band constraint."""
+        band = self.settings.length_band
+        measure = getattr(self.evaluator, "output_length", None)
+        if measure is None:
+            return {"band": list(band) if band else None, "constraint": None,
+                    "note": "not measured: the evaluator has no output_length"}
+        mine = measure(config)
+        ref = self.study.user_attrs.get(REFERENCE_LENGTH_ATTR)
+        if ref is None:
+            ref = mine if config == self.space.reference() else measure(self.space.reference())
+            self.study.set_user_attr(REFERENCE_LENGTH_ATTR, ref)
+        ratio = mine["mean_tokens"] / ref["mean_tokens"] if ref["mean_tokens"] else float("inf")
+        out = {"mean_tokens": mine["mean_tokens"], "eot_rate": mine["eot_rate"],
+               "reference_mean_tokens": ref["mean_tokens"], "reference_eot_rate": ref["eot_rate"], "ratio": ratio,
+               "band": list(band) if band else None}
+        if band is None:
+            return out | {"constraint": None, "note": "length band off (--length-band off): recorded, not enforced"}
+        return out | {"constraint": max(band[0] - ratio, ratio - band[1])}
 
     def _finished_duplicate(self, config: TrialConfig):
         wanted = config.to_dict()
@@ -231,17 +329,18 @@ class TrialRunner:
 
         With ``trial``, the trial claims the measurement; while an earlier claimant (by claim time, then number)
         is still running, this worker waits for its result instead of measuring the same thing again."""
-        key = QUALITY_ATTR + config.quality_key
+        quality_key = study_quality_key(config)
+        key = QUALITY_ATTR + quality_key
         claimed = False
         while (cached := self.study.user_attrs.get(key)) is None:
             if trial is None:
                 break
             if not claimed:
-                trial.set_user_attr(CLAIM_ATTR, {"key": config.quality_key, "at": time.time()})
+                trial.set_user_attr(CLAIM_ATTR, {"key": quality_key, "at": time.time()})
                 claimed = True
                 time.sleep(CLAIM_SETTLE_S)
                 continue
-            if self._claim_winner(config.quality_key) == trial.number:
+            if self._claim_winner(quality_key) == trial.number:
                 break
             time.sleep(POLL_S)
             recover_stale_trials(self.study)  # a claimant that died stops blocking once its trial is failed
@@ -263,9 +362,10 @@ class TrialRunner:
     def exact_check(self, config: TrialConfig) -> dict:
         """Greedy outputs of the speculative config vs the same transformation without speculation."""
         base = config.transformation
-        if base.quality_key not in self._reference_tokens:
-            self._reference_tokens[base.quality_key] = self.evaluator.greedy_tokens(base)
-        ref = self._reference_tokens[base.quality_key]
+        twin = study_quality_key(base)
+        if twin not in self._reference_tokens:
+            self._reference_tokens[twin] = self.evaluator.greedy_tokens(base)
+        ref = self._reference_tokens[twin]
         got = self.evaluator.greedy_tokens(config)
         equal = [a == b for a, b in zip(ref, got)]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -290,6 +390,11 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
         evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
     study = open_study(settings, evaluator.default_floor)
     _check_evaluator(study, evaluator, settings.floor)
+    if "length_band" in study.user_attrs:  # the stored band wins, like the floor: all workers gate alike
+        stored = study.user_attrs["length_band"]
+        settings.length_band = tuple(stored) if stored else None
+    else:
+        study.set_user_attr("length_band", list(settings.length_band) if settings.length_band else None)
     evaluator.prepare(settings.space, settings.floor)
     outcome = SearchOutcome(study, recover_stale_trials(study))
     runner = TrialRunner(study, settings, evaluator)

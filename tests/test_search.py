@@ -34,7 +34,10 @@ SPEED = {"none": 20.0, "w8ch-sym": 26.0, "w4g32-asym": 30.0, "w4g32-sym": 31.0}
 class ToyEvaluator:
     """Deterministic stand-in for the real measurements (test-only): quality by scheme, speed by scheme x K.
 
-    ``fail_on`` makes speed() raise for that weight scheme; ``log`` appends one JSON line per measurement."""
+    ``fail_on`` makes speed() raise for that weight scheme; ``log`` appends one JSON line per measurement.
+    ``diverge_on``: speculative points of that scheme emit other greedy tokens than their twin (and are not exact
+    by construction for ``unprobed_on``); ``long_on``: that scheme answers 30% longer. vLLM points score 0.03 lower
+    than native (their own backend's quality)."""
 
     default_floor = "0.98"
 
@@ -43,12 +46,15 @@ class ToyEvaluator:
             raise UserError(f"floor {floor} outside (0, 1]")
         return float(floor)
 
-    def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None, **_):
+    def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None,
+                 diverge_on: str | None = None, unprobed_on: str | None = None, long_on: str | None = None, **_):
+        self.diverge_on, self.unprobed_on, self.long_on = diverge_on, unprobed_on, long_on
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
         self.quality_delay_s = float(os.environ.get("TOY_QUALITY_DELAY_S", 0))
         self.fail_on = os.environ.get("TOY_FAIL_ON", fail_on)
         self.log = os.environ.get("TOY_LOG", log)
         self.quality_calls: list[str] = []
+        self.quality_backends: list[str] = []
 
     def describe(self) -> dict:
         return {"evaluator": "toy", "fail_on": self.fail_on}
@@ -61,7 +67,8 @@ class ToyEvaluator:
         self.quality_calls.append(config.quality_key)
         time.sleep(self.quality_delay_s)
         log_measurement(self.log, "quality", config.quality_key)
-        value = QUALITY[config.weights] - (0.02 if config.kv != "none" else 0.0)
+        value = QUALITY[config.weights] - (0.02 if config.kv != "none" else 0.0) - (0.03 if config.backend == "vllm" else 0)
+        self.quality_backends.append(config.backend)
         return QualityResult(value=value, passes=value >= 0.98, accuracy=0.5 * value, reference_accuracy=0.5,
                              delta=0.5 * value - 0.5, ci=(0.5 * value - 0.51, 0.5 * value - 0.49), flips=int(100 * (1 - value)),
                              kl=1 - value)
@@ -76,7 +83,17 @@ class ToyEvaluator:
         return SpeedResult(SPEED[config.weights] * gain, alpha, tau, record={"name": "toy", "label": config.label})
 
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
-        return [[len(config.quality_key) + i + j for j in range(5)] for i in range(3)]
+        tokens = [[len(config.quality_key) + i + j for j in range(5)] for i in range(3)]
+        if config.speculative and config.weights == self.diverge_on:
+            tokens[0][3] += 1
+        return tokens
+
+    def exactness(self, config: TrialConfig) -> dict:
+        exact = config.backend == "native" and config.weights != self.unprobed_on
+        return {"by_construction": exact, "why": "toy probe"}
+
+    def output_length(self, config: TrialConfig) -> dict:
+        return {"mean_tokens": 100.0 * (1.3 if config.weights == self.long_on else 1.0), "eot_rate": 1.0}
 
 
 def log_measurement(log: str | None, what: str, label: str) -> None:
@@ -187,6 +204,101 @@ def test_constrained_search_caches_quality_and_respects_floor(tmp_path, tiny_lla
     checked = [t for t in complete if "exact_check" in t.user_attrs]
     assert all(t.user_attrs["config"]["proposer"] != "none" for t in checked)
     assert all(t.user_attrs["exact_check"]["equal"] for t in checked)
+
+
+def _complete(study, **config) -> list:
+    return [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
+            and all(t.user_attrs["config"].get(k) == v for k, v in config.items())]
+
+
+@pytest.mark.parametrize("unprobed", [True, False])
+def test_speculative_trial_with_unequal_greedy_outputs_borrows_no_quality(tmp_path, tiny_llama_dir, unprobed):
+    """w4g32-asym + ngram emits other greedy tokens than w4g32-asym alone (as trial 4 of demo-pareto.json):
+    the trial is infeasible with the reason, although its twin passes the floor (0.99 >= 0.98), which the old
+    borrowing rule would have made it. Unprobed: the check runs on every such trial (exact_fraction 0); probed
+    exact: only on sampled ones (exact_fraction 1), and a contradiction still makes it infeasible."""
+    space = toy_space(tiny_llama_dir, weights=["none", "w4g32-asym"], kv=["none"], k=(2, 3))
+    outcome = run_search(settings(tmp_path, space, n_trials=14, sampler="random", exact_fraction=0.0 if unprobed else 1.0),
+                         ToyEvaluator(diverge_on="w4g32-asym", unprobed_on="w4g32-asym" if unprobed else None))
+    spec = _complete(outcome.study, weights="w4g32-asym", proposer="ngram")
+    twin = _complete(outcome.study, weights="w4g32-asym", proposer="none")
+    assert spec and twin
+    assert all(t.constraints["quality_floor"] <= 0 for t in spec + twin)  # negative control: the old rule's verdict
+    for t in spec:
+        assert t.user_attrs["exact_check"]["equal_per_prompt"] == [False, True, True]
+        assert t.user_attrs["quality_basis"]["kind"] == "infeasible" and "differ" in t.user_attrs["quality_basis"]["why"]
+        assert t.constraints["exactness"] == 1.0
+    assert all(t.constraints.get("length_band", 0) <= 0 for t in spec)
+    rows = {r.number: r for r in summarize(outcome.study).rows}
+    assert all(rows[t.number].feasible is False and rows[t.number].quality_basis.startswith("infeasible")
+               for t in spec)
+    assert all(rows[t.number].feasible for t in twin)
+    assert any("infeasible: quality not applicable" in line for line in footer_lines(summarize(outcome.study)))
+    same = _complete(outcome.study, weights="none", proposer="ngram")  # equal outputs: quality applies
+    kinds = {t.user_attrs["quality_basis"]["kind"] for t in same}
+    assert same and kinds == {"exact by construction"}
+    assert all(t.constraints["exactness"] == 0 for t in same)
+
+
+def test_unprobed_equal_outputs_are_verified(tmp_path, tiny_llama_dir):
+    """Not exact by construction, but greedy outputs equal on every prompt: checked on every trial (exact_fraction
+    0 notwithstanding) and the twin's quality applies as "verified"."""
+    space = toy_space(tiny_llama_dir, weights=["none"], kv=["none"], k=(2, 3))
+    outcome = run_search(settings(tmp_path, space, n_trials=3, sampler="random", exact_fraction=0.0),
+                         ToyEvaluator(unprobed_on="none"))
+    spec = _complete(outcome.study, proposer="ngram")
+    assert spec and all(t.user_attrs["quality_basis"]["kind"] == "verified" and t.user_attrs["exact_check"]["equal"]
+                        and t.constraints["exactness"] == 0 for t in spec)
+
+
+def test_vllm_point_quality_is_measured_by_its_own_backend(tmp_path, tiny_llama_dir):
+    """A vLLM point gets its own quality measurement (toy: 0.03 below native), not the native twin's; the old key
+    would have shared it."""
+    from studies.search import study_quality_key
+
+    vllm = TrialConfig(model=str(tiny_llama_dir), backend="vllm")
+    native = TrialConfig(model=str(tiny_llama_dir))
+    assert vllm.quality_key == native.quality_key  # negative control: the old cache key borrowed native quality
+    assert study_quality_key(vllm) != study_quality_key(native)
+    space = toy_space(tiny_llama_dir, weights=["none"], kv=["none"], proposers=["none"], backends=["native", "vllm"])
+    evaluator = ToyEvaluator()
+    outcome = run_search(settings(tmp_path, space, n_trials=4, sampler="random"), evaluator)
+    by_backend = {t.user_attrs["config"]["backend"]: t.user_attrs["quality"]["value"] for t in _complete(outcome.study)}
+    assert by_backend == {"native": pytest.approx(1.0), "vllm": pytest.approx(0.97)}
+    assert sorted(evaluator.quality_backends) == ["native", "vllm"]
+    assert "quality/" + study_quality_key(vllm) in outcome.study.user_attrs
+
+
+@pytest.mark.parametrize("band", ["0.9,1.1", "off"])
+def test_length_band_gates_a_configuration_answering_longer(tmp_path, tiny_llama_dir, band):
+    """w8ch-sym answers 30% longer than the reference: infeasible under the band (with the reason), feasible with
+    the band off (negative control; the record says the band is off)."""
+    space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym"], kv=["none"], proposers=["none"])
+    outcome = run_search(settings(tmp_path, space, n_trials=2, sampler="random", length_band=band),
+                         ToyEvaluator(long_on="w8ch-sym"))
+    [long] = _complete(outcome.study, weights="w8ch-sym")
+    [ref] = _complete(outcome.study, weights="none")
+    length = long.user_attrs["length"]
+    assert length["ratio"] == pytest.approx(1.3) and length["eot_rate"] == 1.0 and length["reference_mean_tokens"] == 100
+    assert long.constraints["quality_floor"] <= 0 and ref.user_attrs["length"]["ratio"] == 1.0
+    summary = summarize(outcome.study)
+    row = next(r for r in summary.rows if r.number == long.number)
+    if band == "off":
+        assert "length_band" not in long.constraints and row.feasible and "band off" in length["note"]
+        assert summary.to_dict()["length_band"] == "off"
+    else:
+        assert long.constraints["length_band"] == pytest.approx(0.2) and row.feasible is False
+        assert any("output length 1.30x" in line for line in footer_lines(summary))
+        assert summary.to_dict()["length_band"] == [0.9, 1.1]
+
+
+def test_length_band_parsing():
+    from studies.search import parse_length_band
+
+    assert parse_length_band("0.9,1.1") == (0.9, 1.1) and parse_length_band("off") is None
+    for bad in ("1.1,0.9", "x", "0.9"):
+        with pytest.raises(UserError):
+            parse_length_band(bad)
 
 
 def test_pruned_reason_and_failed_trial_do_not_stop_study(tmp_path, tiny_llama_dir):

@@ -31,6 +31,8 @@ def cli_error(capsys, *args) -> str:
     (["--sampler", "cma"], "unknown sampler"),
     (["--n-trials", "0"], "--n-trials"),
     (["--heartbeat", "5", "--grace", "5"], "--heartbeat < --grace"),
+    (["--length-band", "1.2,0.8"], "--length-band needs 0 < LO <= 1 <= HI"),
+    (["--length-band", "wide"], "--length-band 'wide'"),
 ])
 def test_search_bad_input(tmp_path, capsys, args, needle):
     assert needle in cli_error(capsys, "search", "--study-dir", str(tmp_path), *args)

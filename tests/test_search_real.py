@@ -31,13 +31,23 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
         return
     quality = ref.user_attrs["quality"]
     assert quality["passes"] and quality["value"] >= 0.9 and quality["flips"] == 0 and quality["delta"] == 0
+    assert ref.user_attrs["quality_basis"]["kind"] == "measured"
     assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
     assert ref.user_attrs["speed"]["tok_s"] > 0 and ref.user_attrs["record"]["engine"]["backend"] == "native"
     speed = spec_trial.user_attrs["speed"]
     assert 0 <= speed["alpha"] <= 1 and speed["tau"] >= 1
-    check = spec_trial.user_attrs["exact_check"]  # recorded, whatever it finds (bf16 verification can diverge)
+    check = spec_trial.user_attrs["exact_check"]  # exact_fraction 1: checked although exact by construction
     assert check["n_prompts"] == 1 and check["tokens_per_prompt"] == [24]
     assert check["equal"] == all(check["equal_per_prompt"]) and (check["first_divergence"] == [None]) == check["equal"]
+    basis = spec_trial.user_attrs["quality_basis"]  # the rule: quality applies only to equal outputs
+    if check["equal"]:
+        assert basis["kind"] == "exact by construction" and spec_trial.constraints["exactness"] == 0
+    else:
+        assert basis["kind"] == "infeasible" and spec_trial.constraints["exactness"] == 1.0
+        assert next(r for r in summarize(study).rows if r.number == 1).feasible is False
+    length = spec_trial.user_attrs["length"]  # natural end-of-turn lengths beside the reference's
+    assert length["reference_mean_tokens"] > 0 and 0 <= length["eot_rate"] <= 1 and length["band"] == [0.9, 1.1]
+    assert ("length_band" in spec_trial.constraints) and ref.user_attrs["length"]["ratio"] == 1.0
     summary = summarize(study)
     row = next(r for r in summary.rows if r.number == 1)
     assert "q4_1" in row.notes and any("Q4_1" in line for line in footer_lines(summary))

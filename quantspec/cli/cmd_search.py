@@ -90,8 +90,12 @@ def search(
     grace: int = typer.Option(GRACE_S, "--grace", help="RDB storages: seconds without a heartbeat after which a "
                                                        "worker's RUNNING trial is failed and re-queued once."),
     evaluator: str = typer.Option("real", help="Trial evaluator (registry name)."),
-    exact_fraction: float = typer.Option(0.25, "--exact-fraction", help="Share of speculative trials whose greedy "
-                                                                         "outputs are checked against no speculation."),
+    exact_fraction: float = typer.Option(0.25, "--exact-fraction", help="Share of exact-by-construction speculative "
+                                         "trials whose greedy outputs are re-checked against no speculation (the "
+                                         "others are always checked; unequal outputs make a trial infeasible)."),
+    length_band: str = typer.Option("0.9,1.1", "--length-band", help="Output-length gate: mean output tokens per "
+                                    "sample (natural end-of-turn) over the reference's must lie in LO,HI; 'off' "
+                                    "records it without enforcing it."),
     data_dir: str = DataDirOption,
     tasks: str = typer.Option("arc_easy", help="lm-eval task(s) scoring quality, comma-separated."),
     limit: int = typer.Option(None, help="Eval items per task (default 200)."),
@@ -110,7 +114,7 @@ def search(
         space=load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,
         mode=mode, sampler=sampler, seed=seed, study_name=study_name, storage=storage, study_dir=study_dir,
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout, heartbeat_s=heartbeat,
-        grace_s=grace)
+        grace_s=grace, length_band=length_band)
     console = _console()
     trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
                                     output_len=new_tokens, threads=threads)
