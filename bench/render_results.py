@@ -467,7 +467,9 @@ def render_study_cost(d: dict) -> str:
 @bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
        "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
        "rows; `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
-       "twin. Plot: [demo-pareto.png](demo-pareto.png).")
+       "twin; `quality` says where a row's quality comes from (measured, exact by construction, verified equal to "
+       "its twin, or why it has none); `len ×ref` is the mean output length with natural end-of-turn over the "
+       "reference's (the search's second gate). Plot: [demo-pareto.png](demo-pareto.png).")
 def render_demo(d: dict) -> str:
     rows = []
     for x in d["rows"]:
@@ -477,15 +479,18 @@ def render_demo(d: dict) -> str:
         rows.append(["*" if x["pareto"] else "", x["number"], x["state"], x["label"], x["backend"], num(x["tok_s"], 1),
                      num(x["speedup"]) + "x", pct(x["accuracy"]), f"{pct(x['delta'])} [{pct(ci[0])}, {pct(ci[1])}]",
                      num(x["flips"]), num(x["kl"], 4), f"{num(x['alpha'])} / {num(x['tau'])}", greedy,
-                     num(x["feasible"]), "–" if x["duplicate_of"] is None else f"#{x['duplicate_of']}",
-                     x["reason"] or "", ", ".join(x.get("notes") or [])])
+                     x.get("quality_basis") or "not recorded", num(x.get("length_ratio")), num(x["feasible"]), "–" if x["duplicate_of"] is None else f"#{x['duplicate_of']}",
+                     "; ".join(filter(None, [x["reason"], *(x.get("infeasible_because") or [])])),
+                     ", ".join(x.get("notes") or [])])
     ref = d.get("reference", {})
     return "\n\n".join([
-        f"Study `{d['study']}`, mode {d['mode']}, floor {d['floor']}; speedup reference: {compact(ref)}. "
+        f"Study `{d['study']}`, mode {d['mode']}, floor {d['floor']}, length band "
+        f"{compact(d.get('length_band', 'not recorded'))}; speedup reference: {compact(ref)}. "
         "This file holds the table, not a run record: the speed and quality conditions of each trial live in the "
         "study's storage (see docs/methodology.md for the protocol).",
         table(["", "#", "state", "config", "backend", "tok/s", "speedup", "acc %", "Δ pts [CI]", "flips", "KL",
-               "α / τ", "greedy =", "feasible", "same as", "pruned reason", "notes"], rows),
+               "α / τ", "greedy =", "quality", "len ×ref", "feasible", "same as", "pruned / infeasible because",
+               "notes"], rows),
         "The `notes` column names the notes this JSON attaches to rows ("
         + ", ".join(f"`{k}`" for k in (d.get("notes") or {})) + "); `q4_1` is the 4-bit caveat at the top of "
         "this section.",
