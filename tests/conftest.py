@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from quant.calibration import CalibConfig
+
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -153,3 +155,12 @@ VLLM_W8A8_AMX = pytest.mark.xfail(
 def pytest_runtest_setup(item):
     if item.get_closest_marker("data"):
         require_data_dir()
+
+
+@pytest.fixture()
+def calib(tmp_path):
+    """A tiny calibration set: two repeated sentences, four 48-token windows."""
+    path = tmp_path / "calib.jsonl"
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    path.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
+    return CalibConfig(source=str(path), samples=4, seqlen=48)

@@ -98,14 +98,6 @@ def tiny(tiny_llama_dir):
     return load_model(tiny_llama_dir)
 
 
-@pytest.fixture()
-def calib(tmp_path):
-    path = tmp_path / "calib.jsonl"
-    text = "The quick brown fox jumps over the lazy dog. " * 20
-    path.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
-    return CalibConfig(source=str(path), samples=4, seqlen=48)
-
-
 def logits_of(lm, tokens):
     lm.model.setup_cache(1, tokens.shape[1])
     return lm.model(tokens, torch.arange(tokens.shape[1]))

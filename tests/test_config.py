@@ -83,14 +83,6 @@ def test_vllm_check_owns_vllm_knowledge():
     assert VllmBackend.check(Config(backend="vllm", proposer="ngram:min=2,max=4", k=3)) is None
 
 
-@pytest.fixture()
-def calib(tmp_path):
-    path = tmp_path / "calib.jsonl"
-    text = "The quick brown fox jumps over the lazy dog. " * 20
-    path.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
-    return CalibConfig(source=str(path), samples=4, seqlen=48)
-
-
 def test_builder_reaches_static_w8a8_and_static_kv(tiny_llama_dir, calib):
     config = Config.parse(model=str(tiny_llama_dir), scheme="w8ch-sym_a8t-static", dtype="fp32", calib=calib,
                           observer="minmax", kv="k8ts-v8ts")

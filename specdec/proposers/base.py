@@ -11,6 +11,16 @@ from runtime.registry import Registry
 from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
 
 
+def draw(logits: torch.Tensor, sampling, generator, qs: list) -> int:
+    """One draft token from ``logits``: the argmax when greedy, else sampled, its distribution appended to ``qs``
+    (the q the verifier needs)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    q = logits_to_probs(logits, sampling)
+    qs.append(q)
+    return int(sample_from(q, generator))
+
+
 @dataclass
 class Proposal:
     """Up to K draft tokens; ``q`` [len(tokens), vocab] holds the draft distributions, None = one-hot."""
@@ -59,12 +69,7 @@ class AutoregressiveDraft(Proposer):
         logits = self.catch_up(context)
         tokens, qs = [], []
         for i in range(k):
-            if sampling.greedy:
-                tokens.append(int(logits.argmax()))
-            else:
-                q = logits_to_probs(logits, sampling)
-                qs.append(q)
-                tokens.append(int(sample_from(q, generator)))
+            tokens.append(draw(logits, sampling, generator, qs))
             if i + 1 < k:
                 logits = self.step(tokens[-1])
         return Proposal(tokens, torch.stack(qs) if qs else None)

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.errors import UserError
-from runtime.sampling import logits_to_probs, sample_from
 from specdec.eagle_head import load_head
-from specdec.proposers.base import Proposal, Proposer, register_proposer
+from specdec.proposers.base import Proposal, Proposer, draw, register_proposer
 
 
 @register_proposer("eagle")
@@ -73,13 +72,7 @@ class EagleProposer(Proposer):
         self.pos = n - 1
         tokens, qs = [], []
         for i in range(k):
-            logits = self.logits(h)
-            if sampling.greedy:
-                tokens.append(int(logits.argmax()))
-            else:
-                q = logits_to_probs(logits, sampling)
-                qs.append(q)
-                tokens.append(int(sample_from(q, generator)))
+            tokens.append(draw(self.logits(h), sampling, generator, qs))
             if i + 1 < k:
                 pos = n - 1 + i
                 emb = self.embed(torch.tensor([[tokens[-1]]]))
