@@ -11,7 +11,6 @@ from evals.fidelity import FidelityStats, token_fidelity
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig
-from quant.checkpoint import save_compressed
 from quant.methods import get_method
 from quant.quantize import plan_layers, quantize_model
 from quant.scheme import WeightSpec, parse_scheme
@@ -94,5 +93,9 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if weight_method.needs_calibration else None)
     fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))
     caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""
-    written = save_compressed(lm, report, out, overwrite) if out is not None else None
+    written = None
+    if out is not None:
+        from quant.checkpoint import save_compressed  # compressed-tensors: imported only when writing a checkpoint
+
+        written = save_compressed(lm, report, out, overwrite)
     return Quantized(lm, report, fidelity, caveat, written, quant_record(name, lm, report, fidelity, caveat))

@@ -1,2 +1,12 @@
 """Weight, activation and KV-cache quantization; importing it registers its kernels and checkpoint format."""
-from quant import checkpoint, w8a8  # noqa: F401  (register the compressed-tensors loader and the W8A8 kernel)
+from quant import w8a8  # noqa: F401  (registers the W8A8 kernel)
+from runtime.loading import CHECKPOINT_FORMATS
+
+
+def _load_compressed_tensors(path, config, dtype, attention):
+    from quant.checkpoint import load_quantized  # compressed-tensors costs seconds to import: only when loading one
+
+    return load_quantized(path, config, dtype, attention)
+
+
+CHECKPOINT_FORMATS.add("compressed-tensors", _load_compressed_tensors)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runtime.errors import UserError
-from runtime.loading import CHECKPOINT_FORMATS, build_model, load_state_dict
+from runtime.loading import build_model, load_state_dict
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
 from quant.scheme import ActSpec, QuantScheme, WeightSpec, parse_scheme
@@ -194,5 +194,3 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
         set_static_input_scales(model, scheme.activations, input_scales)
     return model.eval()
 
-
-CHECKPOINT_FORMATS.add("compressed-tensors", load_quantized)

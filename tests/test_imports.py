@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("runtime", "quant", "specdec", "evals", "studies", "quantspec")  # each imports only those before it
-HEAVY = ("vllm", "lm_eval")  # optional heavy dependencies a module may defer
+HEAVY = ("vllm", "lm_eval", "compressed_tensors")  # dependencies costing seconds at import: a module may defer them
 
 
 def modules(root: Path, packages=LAYERS) -> dict[str, ast.Module]:

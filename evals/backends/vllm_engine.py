@@ -23,7 +23,6 @@ from runtime.errors import UserError
 from specdec.proposers.ngram import NgramProposer
 from runtime.model_store import resolve_model, weights_hash
 from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
-from quant.checkpoint import save_compressed
 from runtime.loading import load_model, load_tokenizer
 from runtime.hardware import probe, quantspec_home
 from quant.quantize import quantize_model
@@ -104,6 +103,8 @@ def exported_checkpoint(config: ServingConfig) -> Path:
         return target
     lm = load_model(source, "bf16")
     report = quantize_model(lm, scheme, config.method, progress=False)
+    from quant.checkpoint import save_compressed  # compressed-tensors: imported only when exporting
+
     return save_compressed(lm, report, target)
 
 
