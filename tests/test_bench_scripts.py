@@ -14,3 +14,27 @@ def test_bench_script_help(script):
                           timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_study_cost_timer_runs_a_search_without_failed_trials(tmp_path, tiny_llama_dir):
+    """bench/study_cost.py's timing wrapper around an evaluator leaves every trial as the evaluator decides
+    (it once failed every trial with a KeyError in its own bookkeeping)."""
+    from dataclasses import replace
+
+    from optuna.trial import TrialState
+
+    from studies.search import run_search
+    from tests.test_search import ToyEvaluator, settings, toy_space
+
+    sys.path.insert(0, str(BENCH))
+    from study_cost import TimedEvaluator
+
+    class Inner(ToyEvaluator):
+        def speed(self, config):
+            return replace(super().speed(config), extra={"engine_start_s": 0.0, "bench_s": 0.0})
+
+    timed = TimedEvaluator(Inner())
+    outcome = run_search(settings(tmp_path, toy_space(tiny_llama_dir), n_trials=6), timed)
+    states = [t.state for t in outcome.study.trials]
+    assert TrialState.FAIL not in states and states.count(TrialState.COMPLETE) >= 3
+    assert timed.counts["quality"] >= 1 and timed.counts["speed"] >= 3 and timed.counts["speed_run"] >= 3
