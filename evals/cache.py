@@ -14,7 +14,7 @@ from pathlib import Path
 from evals.record import write_json_atomic
 from runtime.hardware import quantspec_home
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: per-item answers stored beside the metric
 
 
 @dataclass(frozen=True)

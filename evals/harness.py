@@ -136,6 +136,8 @@ class TaskResult:
     n: int
     items: dict  # doc_id -> per-item metric value (the floor/flip metric)
     cached: bool = False
+    output_type: str | None = None  # lm-eval's: multiple_choice, loglikelihood, generate_until, ...
+    answers: dict = field(default_factory=dict)  # doc_id -> what the model answered (``ANSWERS``)
 
     def value(self, metric: str) -> tuple[float | None, float | None]:
         return self.metrics.get(f"{metric},none"), self.metrics.get(f"{metric}_stderr,none")
@@ -229,6 +231,20 @@ def _items(samples: list[dict], metric: str) -> dict:
     return {int(s["doc_id"]): s[metric] for s in samples if isinstance(s.get(metric), (int, float))}
 
 
+# per lm-eval output type, what the model answered on one logged sample: the chosen choice (argmax summed
+# loglikelihood), whether the target is the greedy continuation, or the raw generated text (before filters)
+ANSWERS: dict[str, Callable[[dict], object]] = {
+    "multiple_choice": lambda s: max(range(len(s["filtered_resps"])), key=lambda i: s["filtered_resps"][i][0]),
+    "loglikelihood": lambda s: bool(s["filtered_resps"][0][1]),
+    "generate_until": lambda s: s["resps"][0][0],
+}
+
+
+def _answers(samples: list[dict], output_type: str | None) -> dict:
+    answer = ANSWERS.get(output_type)
+    return {int(s["doc_id"]): answer(s) for s in samples} if answer else {}
+
+
 def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int = 0, seed: int = 0) -> dict:
     """lm-eval's ``simple_evaluate`` with per-item samples, all seeds set to ``seed``."""
     import lm_eval
@@ -255,7 +271,8 @@ def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None)
     for task, key in keys.items():
         hit = cache.load(key)
         if hit is not None:
-            out[task] = TaskResult(**{**hit, "items": {int(k): v for k, v in hit["items"].items()}, "cached": True})
+            out[task] = TaskResult(**{**hit, "items": {int(k): v for k, v in hit["items"].items()},
+                                      "answers": {int(k): v for k, v in hit["answers"].items()}, "cached": True})
     missing = [t for t in config.tasks if t not in out]
     if missing:
         lm = (lm_factory or LM_FACTORIES.get(config.backend))(config)
@@ -263,7 +280,9 @@ def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None)
         for task in missing:
             metrics = {k: v for k, v in res["results"][task].items() if k != "alias"}
             samples = res["samples"][task]
-            result = TaskResult(task, metrics, len(samples), _items(samples, config.metric))
+            output_type = res["configs"][task].get("output_type")
+            result = TaskResult(task, metrics, len(samples), _items(samples, config.metric),
+                                output_type=output_type, answers=_answers(samples, output_type))
             cache.store(keys[task], asdict(result))
             out[task] = result
     return {t: out[t] for t in config.tasks}

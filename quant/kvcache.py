@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quant.actquant import check_scale, make_observer
@@ -343,11 +344,16 @@ class QuantizedKVCache(nn.Module):
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
         start = int(input_pos[0])
-        k_all, v_all = self.k.write(start, k), self.v.write(start, v)
-        return k_all[:, :, :length], v_all[:, :, :length]
+        return _first(self.k.write(start, k), length), _first(self.v.write(start, v), length)
 
     def bytes_per_token(self) -> float:
         return self.k.bytes_per_token() + self.v.bytes_per_token()
+
+
+def _first(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [0, length) of [B, H, n, D]; those not written yet (read masked, when attention aligns its key
+    count, e.g. eager's ``KEY_ALIGN``) as zeros, like the dense cache's unwritten slots."""
+    return x[:, :, :length] if x.shape[2] >= length else F.pad(x, (0, 0, 0, length - x.shape[2]))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from evals.acceptance import LosslessReport, check_lossless, measure_acceptance
 from evals.backends.base import Backend, ServingConfig, register_backend
 from evals.bench_sweep import benchmark
+from evals.compare_backends import BackendComparison, compare_backends
 from evals.config import Config
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.harness import register_lm_factory as register_eval_backend
@@ -58,10 +59,10 @@ def pareto(storage: str | None = None, study_name: str | None = None,
 
 __all__ = [
     # run things
-    "load", "quantize", "evaluate", "benchmark", "measure_acceptance", "check_lossless", "search", "pareto",
+    "load", "quantize", "evaluate", "compare_backends", "benchmark", "measure_acceptance", "check_lossless", "search", "pareto",
     "build_proposer", "parse_scheme", "train_draft",
     # their inputs and results
-    "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
+    "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "BackendComparison", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
     "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "QuantScheme", "UserError",
     "DEFAULT_DTYPE", "TrainConfig", "TrainResult",
     # extend: subclass, then register

@@ -16,7 +16,7 @@ from runtime.loading import set_threads
 from runtime.model_store import resolve_model
 from evals.harness import EvalConfig, evaluate
 from evals.backends import open_backend
-from evals.backends.vllm_engine import exported_checkpoint
+from evals.backends.vllm_engine import as_checkpoint
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
 
@@ -104,7 +104,8 @@ class RealEvaluator:
     is timed separately and excluded from tok/s). Quality: ``evals.harness.evaluate`` (lm-eval tasks scored on
     the native runtime in bf16, as served, against the unquantized bf16 reference on the same items; paired
     floor test; WikiText-2 KL). A vLLM point's quality is measured through vLLM in its serving dtype on its
-    compressed-tensors export (lm-eval's ``vllm`` model, against the unquantized model served the same way);
+    compressed-tensors export (lm-eval's ``vllm`` model), against the same native bf16 reference as every other
+    point of the table (so a backend's own drift counts against it; ``quantspec eval --compare-backends`` shows it);
     where that cannot run here the point is skipped with the reason. Output length: the speed prompts generated
     again with natural end-of-turn up to ``length_tokens``.
 
@@ -169,9 +170,7 @@ class RealEvaluator:
         """lm-eval through vLLM on the point's export, in its serving dtype (the harness caches per export)."""
         try:
             base = config.transformation
-            model = exported_checkpoint(serving_config(base)) if base.quantized_weights else base.model
-            point = replace(base, model=str(model), weights="none", activations="none", method=None,
-                            backend="vllm")
+            point = replace(as_checkpoint(base), backend="vllm")
             return evaluate(EvalConfig(point, tasks=self.tasks, limit=self.limit, floor=self.floor,
                                        data_dir=self.data_dir, reference_model=str(resolve_model(base.model)),
                                        fidelity_windows=0, progress=False))

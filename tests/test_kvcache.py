@@ -151,6 +151,19 @@ def test_quantized_decode_tracks_dense(tiny):
     assert (got - want).abs().max() < 0.05 and not torch.equal(got, want)
 
 
+@pytest.mark.parametrize("label", ["k4chg4-v4tokg16-r2", "k8tok-v8tok"])  # KIVI-style, per-token
+def test_quantized_cache_under_aligned_eager_attention_matches_sdpa(tiny_llama_dir, label):
+    """Eager attention reads a key count aligned up (KEY_ALIGN, masked); a quantized cache must serve those
+    unwritten positions too (it once returned only the written ones and every eager + KIVI run crashed)."""
+    def logits(attention):
+        lm = load_model(tiny_llama_dir, "fp32", attn_implementation=attention)
+        dec = Decoder(lm, 128, make_cache_factory(label))
+        dec.forward(list(range(5, 41)))  # 36 positions: eager reads 64 keys
+        return torch.cat([dec.forward([41 + i]) for i in range(8)])
+
+    assert torch.allclose(logits("eager"), logits("sdpa"), atol=1e-4, rtol=0)
+
+
 def test_static_scales_from_calibration(tiny):
     spec = parse_kv_spec("k8chs-v8ts")
     with pytest.raises(UserError, match="calibrate"):

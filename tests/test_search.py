@@ -443,7 +443,9 @@ def whole_study(url: str, n_trials: int) -> dict[int, optuna.trial.FrozenTrial]:
     assert not [t.number for t in trials if not t.state.is_finished()], [
         (t.number, t.state.name, t.user_attrs.get("worker"), t.system_attrs.get("failed_trial"), str(t.datetime_start))
         for t in trials]
-    assert len(finished_trials(study)) == n_trials
+    assert len(finished_trials(study)) == n_trials, [
+        (t.number, t.state.name, sorted(set(t.user_attrs) - {"config", "quality", "speed", "record"}),
+         t.system_attrs.get("failed_trial")) for t in trials]
     return {t.number: t for t in trials}
 
 

@@ -13,6 +13,7 @@ outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over th
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from evals.config import Config
@@ -106,6 +107,15 @@ def exported_checkpoint(config: ServingConfig) -> Path:
     from quant.checkpoint import save_compressed  # compressed-tensors: imported only when exporting
 
     return save_compressed(lm, report, target)
+
+
+def as_checkpoint(config: Config) -> Config:
+    """``config`` with its quantized weights replaced by their compressed-tensors export: the point as vLLM
+    loads it (and as the native backend can load it too, so both serve the same integer weights)."""
+    if not config.quantized_weights:
+        return config
+    model = exported_checkpoint(ServingConfig(config))
+    return replace(config, model=str(model), weights="none", activations="none", method=None)
 
 
 def counters_from_metrics(metrics) -> SpecCounters:

@@ -5,6 +5,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from evals.compare_backends import BackendComparison, compare_backends
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.record import write_json_atomic
 from quantspec.cli.app import DataDirOption, DtypeOption, app
@@ -49,6 +50,27 @@ def print_report(report: EvalReport) -> None:
         console.print(f"[yellow]note:[/] {note}")
 
 
+def print_comparison(comparison: BackendComparison, show: int = 10) -> None:
+    first, second = comparison.backends
+    table = Table(title=f"{comparison.config['model']} dtype={comparison.config.get('dtype', 'bf16')}: "
+                        f"{first} vs {second}, same weights and items")
+    for col in ("task", "n", f"{first} %", f"{second} %", "answers differ", f"only {first} right",
+                f"only {second} right", "McNemar p"):
+        table.add_column(col, justify="right")
+    for task, d in comparison.tasks.items():
+        table.add_row(task, str(d.n), _pct(d.accuracy[0]), _pct(d.accuracy[1]), str(d.disagree),
+                      str(d.only_first), str(d.only_second), f"{d.mcnemar_p:.3g}")
+    console.print(table)
+    for task, d in comparison.tasks.items():
+        for diff in d.diffs[:show]:
+            where = (f", first diverging token #{diff.diverge_at}: {diff.diverging_tokens[0]!r} vs "
+                     f"{diff.diverging_tokens[1]!r}" if diff.diverging_tokens else "")
+            console.print(f"  {task} doc {diff.doc_id}: {first} {diff.answers[0]!r} ({diff.correct[0]:g}) vs "
+                          f"{second} {diff.answers[1]!r} ({diff.correct[1]:g}){where}", markup=False)
+        if d.disagree > show:
+            console.print(f"  {task}: {d.disagree - show} more differing items in --json")
+
+
 @app.command("eval")
 def eval_command(
     model: str = typer.Argument("default", metavar="MODEL",
@@ -72,6 +94,9 @@ def eval_command(
     data_dir: str = DataDirOption,
     smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
                                       help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
+    compare: bool = typer.Option(False, "--compare-backends",
+                                 help="Score the configuration natively and through vLLM (same weights, dtype and "
+                                      "items) and list the items whose answers differ."),
 ):
     """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
     config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, smoothquant=smoothquant,
@@ -79,8 +104,8 @@ def eval_command(
                         fewshot=fewshot, floor=floor, confidence=confidence, seed=seed, data_dir=data_dir,
                         include_path=tuple(include_path), dtype=dtype, reference=not no_reference, reference_model=reference_model,
                         fidelity_windows=fidelity_windows)
-    report = evaluate(config)
-    print_report(report)
+    result = compare_backends(config) if compare else evaluate(config)
+    (print_comparison if compare else print_report)(result)
     if json_out:
-        write_json_atomic(json_out, report.to_json())
+        write_json_atomic(json_out, result.to_json())
         console.print(f"results: {json_out}")
