@@ -105,6 +105,7 @@ def hardware_info(model=None) -> dict[str, Any]:
         "kernel_speeds": measured_speeds(),
         **({"kernels": kernels_used(model)} if model is not None else {}),
         "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # other work on the machine when the record was made
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
