@@ -18,6 +18,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -108,7 +109,8 @@ def conditions(rec: dict, title: str = "Conditions") -> str:
         f"- model + precision: `{m.get('model_id')}` (weights hash `{m.get('weights_hash')}`), "
         f"precision {m.get('precision')}, scheme {m.get('scheme')}",
         f"- hardware: {hw.get('cpu')}, ISA {hw.get('isa') or 'not recorded in this record'}, "
-        f"{hw.get('cores')} cores, {hw.get('torch_threads')} torch threads; probe: {probe_txt}; "
+        f"{hw.get('cores')} cores, {hw.get('torch_threads')} torch threads, 1-min load average "
+        f"{num(hw.get('load_avg_1m'))}; probe: {probe_txt}; "
         f"{libs.get('torch')}, {libs.get('vllm')}, {libs.get('lm_eval')}",
         f"- kernels: {kernels_text(kernels) if kernels else 'per row below, or not recorded in this record'}",
     ]
@@ -448,6 +450,26 @@ def render_lossless(d: dict) -> str:
     return "\n\n".join(parts)
 
 
+@bench("compare-backends-*.json", "Native vs vLLM on the same weights, item by item",
+       "quantspec eval default --scheme SCHEME --compare-backends --tasks TASKS --limit N --json FILE",
+       "One configuration scored by both backends from the same compressed-tensors export, dtype and items. "
+       "`differ` counts items whose answer differs (chosen choice, greedy flag, or generated text); McNemar's exact "
+       "test asks whether the two accuracies differ beyond chance. The first differing items are listed.")
+def render_compare_backends(d: dict, show: int = 8) -> str:
+    a, b = d["backends"]
+    rows = [[t, x["n"], pct(x["accuracy"][0]), pct(x["accuracy"][1]), len(x["diffs"]), x["only_first"],
+             x["only_second"], num(x["mcnemar_p"], 3)] for t, x in d["tasks"].items()]
+    items = [[t, i["doc_id"], i["answers"][0], i["answers"][1], num(i["correct"][0], 0), num(i["correct"][1], 0),
+              "–" if i["diverge_at"] is None else f"#{i['diverge_at']}: {i['diverging_tokens']}"]
+             for t, x in d["tasks"].items() for i in x["diffs"][:show]]
+    return "\n\n".join([
+        f"Configuration: `{compact(d['config'])}`.",
+        table(["task", "n", f"{a} %", f"{b} %", "differ", f"only {a} right", f"only {b} right", "McNemar p"], rows),
+        table(["task", "doc", f"{a} answer", f"{b} answer", f"{a} correct", f"{b} correct", "first diverging token"],
+              items),
+    ])
+
+
 @bench("study_cost.json", "Search cost", "bench/study_cost.py",
        "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
        "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
@@ -470,7 +492,7 @@ def render_study_cost(d: dict) -> str:
        "twin; `quality` says where a row's quality comes from (measured, exact by construction, verified equal to "
        "its twin, or why it has none); `len ×ref` is the mean output length with natural end-of-turn over the "
        "reference's (the search's second gate). Plot: [demo-pareto.png](demo-pareto.png).")
-def render_demo(d: dict) -> str:
+def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
     rows = []
     for x in d["rows"]:
         ci = x.get("ci") or [None, None]
@@ -494,8 +516,13 @@ def render_demo(d: dict) -> str:
         "The `notes` column names the notes this JSON attaches to rows ("
         + ", ".join(f"`{k}`" for k in (d.get("notes") or {})) + "); `q4_1` is the 4-bit caveat at the top of "
         "this section.",
-        "![speed vs quality, demo study](demo-pareto.png)",
+        *([f"![speed vs quality]({plot})"] if plot else []),
     ])
+
+
+bench("study_cost-pareto.json", "Search cost: the searched table", "bench/study_cost.py",
+      "The table of the study timed above, columns as in the demo table below; the study itself is kept in "
+      "`study_cost/study.db` (`quantspec pareto --study-dir bench/results/study_cost --study-name study-cost`).")(partial(render_demo, plot=None))
 
 
 # ----------------------------------------------------------------------------------------------- page
@@ -534,7 +561,7 @@ def render_page(results: Path) -> str:
             if FOUR_BIT.search(NOTE.sub("", text)):  # 4-bit results here, not just the model's note
                 sec.append(Q4_1_CAVEAT)
             sec.append(b.render(d))
-            cond = conditions(d)
+            cond = conditions(d.get("run_record", d))  # a record at the top, or beside the results (eval --json)
             if cond:
                 sec.append(cond)
             out.append("\n\n".join(sec))
