@@ -6,7 +6,8 @@ Writes bench/results/decode-<dtype>.<machine tag>.json (a full run record; one f
 With --compile: the eager step vs the compiled one-token step (runtime/compiled.py) per dtype (fp32, bf16) and
 compile mode, same prompt and length, runs interleaved; compile time (first calls) apart from steady-state tok/s.
 Usage: flock /tmp/qs-bench.lock python bench/decode.py --compile [--new-tokens 64] [--repeats 3] [--threads N]
-Writes bench/results/decode_compiled.<machine tag>.json. Target: compiled >= 1.3x eager, greedy tokens equal (fp32).
+Writes bench/results/decode_compiled.<machine tag>.t<threads>.json. Target: compiled >= 1.3x eager, greedy tokens
+equal (fp32).
 """
 import argparse
 import os
@@ -125,7 +126,7 @@ if __name__ == "__main__":
     if args.compile:
         record = compiled_record(args.model, args.modes.split(","), args.new_tokens, args.repeats)
         print_compiled(record)
-        name = f"decode_compiled.{probe().tag}.json"
+        name = f"decode_compiled.{probe().tag}.t{torch.get_num_threads()}.json"
     else:
         record = compare_decode(args.model, args.dtype, args.new_tokens, args.repeats)
         print_decode_comparison(record)
