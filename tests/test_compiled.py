@@ -65,6 +65,16 @@ def test_a_step_that_does_not_compile_falls_back_to_eager_with_one_line(tiny, ca
     assert dense.step.fallback is None
 
 
+@pytest.mark.parametrize("scheme", ["W8A16", "w4g32-sym"])
+def test_quantized_linears_compile_to_one_graph(tiny_llama_dir, one_thread, scheme):
+    from quant.quantize import quantize_model
+
+    lm = load_model(tiny_llama_dir, "bf16")
+    kernels = quantize_model(lm, scheme, progress=False).kernels
+    decoder, _ = greedy(lm, "default", n=4)
+    assert decoder.step.fallback is None, (kernels, decoder.step.fallback)
+
+
 def test_unknown_mode(tiny):
     with pytest.raises(ValueError, match="unknown compile mode"):
         CompiledStep(tiny.model, "fastest")
