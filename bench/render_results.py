@@ -173,11 +173,11 @@ def render_decode_compiled(d: dict) -> str:
     r = d["results"]
     rows = [[x["dtype"], x["mode"], num(x["eager_tok_s"], 1), num(x["compiled_tok_s"], 1),
              num(x["compiled_over_eager"]) + "x", num(x["meets_target"]), num(x["first_call_s"], 1),
-             num(x["second_call_s"], 3), num(x["greedy_tokens_equal"]), num(x["fallback"]),
+             num(x["second_call_s"], 3), num(x["greedy_tokens_equal"]), num(x["first_diff"]), num(x["fallback"]),
              num(x["load_average_1min"], 1)] for x in r["rows"]]
     return "\n\n".join([
         table(["dtype", "mode", "eager tok/s", "compiled tok/s", "compiled / eager", "met", "first call s",
-               "second call s", "greedy tokens equal", "fallback", "load 1 min"], rows),
+               "second call s", "greedy tokens equal", "first differing token", "fallback", "load 1 min"], rows),
         f"Target: compiled >= {num(r['target_compiled_over_eager'], 1)}x eager; load average (1/5/15 min) before "
         f"the run {' / '.join(num(x) for x in r['load_average_before_1_5_15'])}.",
     ])

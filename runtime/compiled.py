@@ -15,7 +15,8 @@ from torch._dynamo.exc import TorchDynamoException
 from runtime.transformer import Transformer
 
 MODES = ("default", "max-autotune-no-cudagraphs")
-DEFAULT_MODE = "default"  # measured no slower than max-autotune on the default model: bench/decode.py --compile
+# the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
+DEFAULT_MODE = "max-autotune-no-cudagraphs"
 
 
 def static_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quant.kvcache import make_cache_factory
-from runtime.compiled import CompiledStep
+from runtime.compiled import DEFAULT_MODE, CompiledStep
 from runtime.generate import Decoder
 from runtime.loading import load_model
 
@@ -92,7 +92,7 @@ def test_cli_generate_compile_prints_the_eager_text(tiny_llama_dir, one_thread, 
 
     eager_text, eager_line = run("--no-compile")
     text, line = run("--compile")
-    assert text == eager_text and "compiled step (default)" in line and "eager step" in eager_line
+    assert text == eager_text and f"compiled step ({DEFAULT_MODE})" in line and "eager step" in eager_line
 
 
 def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
