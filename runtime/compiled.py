@@ -7,7 +7,7 @@ multi-token calls stay eager, and the eager path stays the reference (``Decoder(
 """
 from __future__ import annotations
 
-from functools import partial
+import types
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
@@ -36,15 +36,19 @@ class CompiledStep:
             raise ValueError(f"unknown compile mode {mode!r}: use one of {', '.join(MODES)}")
         self.model, self.mode = model, mode
         self.fallback: str | None = None
-        # as a config patch around each call: torch.compile(options=...) does not reach freezing (checked in the generated code)
+        # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
         self._config = {**torch._inductor.list_mode_options(mode), "freezing": True}
-        self._compiled = torch.compile(partial(static_step, model), fullgraph=True, dynamic=False)
+        # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
+        # decoders (each guarded on its own cache tensors) would pile up there and, past dynamo's recompile limit,
+        # fall back to eager; this cache (and its frozen weights) goes when the step does
+        own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step")
+        self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
 
     def __call__(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         if self.fallback is None:
             try:
                 with torch._inductor.config.patch(self._config):
-                    return self._compiled(token, input_pos)
+                    return self._compiled(self.model, token, input_pos)
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")

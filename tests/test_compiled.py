@@ -53,6 +53,16 @@ def test_one_graph_serves_every_position(tiny):
         torch.compile(tiny.model, fullgraph=True, backend="eager")(torch.tensor([[5]]), torch.tensor([3]))
 
 
+def test_each_decoder_compiles_its_own_step_past_dynamos_recompile_limit(tiny):
+    """Each decoder's step is guarded on its own cache tensors; sharing one code object, the third decoder here
+    would exceed the (lowered) recompile limit and fail (fullgraph) instead of compiling."""
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        steps = [greedy(tiny, "default", n=3)[0].step for _ in range(3)]
+    assert all(step.fallback is None for step in steps)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 3
+
+
 def test_a_step_that_does_not_compile_falls_back_to_eager_with_one_line(tiny, capsys):
     """The fp8 KV cache slices at the position's value (a graph break): its step runs eager, said once."""
     fp8 = make_cache_factory("fp8")
