@@ -167,6 +167,24 @@ def render_decode(d: dict) -> str:
     ])
 
 
+@bench("decode_compiled.*.json", "Compiled decode step vs eager", "bench/decode.py --compile",
+       "The one-token decode step compiled by torch.compile (inductor's C++ backend, weights frozen) against the "
+       "eager step, same dtype, prompt and length, runs interleaved; compile time (first call) apart from "
+       "steady-state tok/s. One file per CPU kind; the machine's load average is in each row.")
+def render_decode_compiled(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["dtype"], x["mode"], num(x["eager_tok_s"], 1), num(x["compiled_tok_s"], 1),
+             num(x["compiled_over_eager"]) + "x", num(x["meets_target"]), num(x["first_call_s"], 1),
+             num(x["second_call_s"], 3), num(x["greedy_tokens_equal"]), num(x["first_diff"]), num(x["fallback"]),
+             num(x["load_average_1min"], 1)] for x in r["rows"]]
+    return "\n\n".join([
+        table(["dtype", "mode", "eager tok/s", "compiled tok/s", "compiled / eager", "met", "first call s",
+               "second call s", "greedy tokens equal", "first differing token", "fallback", "load 1 min"], rows),
+        f"Target: compiled >= {num(r['target_compiled_over_eager'], 1)}x eager; load average (1/5/15 min) before "
+        f"the run {' / '.join(num(x) for x in r['load_average_before_1_5_15'])}.",
+    ])
+
+
 @bench("quant_decode.*.json", "Quantized decode speed (weight-only kernels)", "bench/quant_decode.py",
        "Each scheme as a ratio to fp32 decode in the same run and as a share of its own read roofline (bytes per "
        "token count packed weights, scales and the tied LM head). A run with `QUANTSPEC_CPU_FEATURES=avx2` times "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.compiled import CompiledStep
 from runtime.errors import UserError
 from runtime.loading import LoadedModel
 from runtime.sampling import SamplingConfig, next_token
@@ -56,9 +57,10 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
 
 
 class Decoder:
-    """Owns one model's KV cache and position; ``rollback`` truncates to an earlier position."""
+    """Owns one model's KV cache and position; ``rollback`` truncates to an earlier position. ``compile_mode`` (a
+    name in ``runtime.compiled.MODES``) runs one-token forwards through a compiled step; None keeps them eager."""
 
-    def __init__(self, lm: LoadedModel, max_len: int = 2048, cache_factory=None):
+    def __init__(self, lm: LoadedModel, max_len: int = 2048, cache_factory=None, compile_mode: str | None = None):
         self.lm = lm
         self.model = lm.model
         self.max_len = min(max_len, lm.model.args.max_seq_len)
@@ -66,6 +68,7 @@ class Decoder:
         self.pos = 0
         self.eos_ids = eos_token_ids(lm)
         self.model.setup_cache(1, self.max_len, cache_factory)
+        self.step = CompiledStep(self.model, compile_mode) if compile_mode else None
         self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
 
     def keep_hidden(self) -> None:
@@ -96,6 +99,8 @@ class Decoder:
             logits, hidden = self.model(ids, input_pos, return_hidden=True)
             self.hidden[self.pos : self.pos + n] = hidden[0]
             logits = logits[0]
+        elif self.step is not None and n == 1 and n_layers is None:
+            logits = self.step(ids, input_pos)[0]
         else:
             logits = self.model(ids, input_pos, n_layers=n_layers)[0]
         self.pos += n

@@ -136,9 +136,11 @@ class DensePack:
         return self.kernel
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``F.linear(x, weight)`` on the packed kernel (plain ``F.linear`` for grad, other dtypes/devices)."""
+        """``F.linear(x, weight)`` on the packed kernel (plain ``F.linear`` for grad, other dtypes/devices, and
+        under ``torch.compile``, whose weight freezing prepacks it: ``runtime.compiled``)."""
         kernel = None
-        if x.dtype == weight.dtype and not (torch.is_grad_enabled() and weight.requires_grad):
+        if (x.dtype == weight.dtype and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and weight.requires_grad)):
             kernel = self.get(weight)
         if kernel is None:
             return F.linear(x, weight)

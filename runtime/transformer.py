@@ -68,10 +68,10 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int):
-        """Store new K/V at ``input_pos`` and return the first ``length`` positions for attention."""
-        start = int(input_pos[0])
-        self.k[:, :, start : start + k.shape[2]] = k
-        self.v[:, :, start : start + v.shape[2]] = v
+        """Store new K/V at ``input_pos`` and return the first ``length`` positions for attention (an index copy,
+        not a slice from ``int(input_pos)``, so a compiled step does not depend on the position's value)."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
         return self.k[:, :, :length], self.v[:, :, :length]
 
     def bytes_per_token(self) -> int:
@@ -211,19 +211,25 @@ class Transformer(nn.Module):
         last = int(input_pos[-1]) + 1  # keys up to the last new token
         length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         mask = None
         if seqlen > 1 or length > last:  # causal within the new tokens, and past the last one
             key_pos = torch.arange(length, device=tokens.device)
             mask = key_pos[None, :] <= input_pos[:, None]
+        logits, hidden = self.run(tokens, input_pos, mask, length, n_layers)
+        return (logits, hidden) if return_hidden else logits
+
+    def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, length: int,
+            n_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final-norm hidden states) reading the first ``length`` cache positions under ``mask``; no
+        branch on tensor values, so ``runtime.compiled`` compiles it with ``length`` the whole cache."""
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
         attend = ATTENTION.get(self.attn_implementation)
         for layer in self.layers[:depth]:
             x = layer(x, cos, sin, input_pos, mask, length, attend)
         hidden = self.norm(x)
-        logits = self.lm_head(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return self.lm_head(hidden), hidden
 
 
 def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from rich.console import Console
 import quantspec
 from runtime.loading import DEFAULT_DTYPE
 from quantspec.report import print_decode_comparison
+from runtime.compiled import DEFAULT_MODE
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
@@ -31,22 +32,26 @@ def generate(
     no_chat: bool = typer.Option(False, "--no-chat", help="Do not apply the chat template."),
     attention: str = typer.Option("sdpa", help="sdpa (fastest on short histories) or eager (batch-invariant: "
                                                "the text `accept` and `check-lossless` compare against in bf16)."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="Decode through a torch.compile'd one-token "
+                                 "step (compiles on the first step; prefill stays eager)."),
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
     answer(prompt, model, dtype, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), threads,
-           chat=False if no_chat else None, attention=attention)
+           chat=False if no_chat else None, attention=attention, compile_mode=DEFAULT_MODE if compile else None)
 
 
 def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), threads: int | None = None, chat: bool | None = None,
-           attention: str = "sdpa") -> None:
-    """Print the native runtime's answer, then one speed line naming the precision, attention, the kernels
-    that ran and this machine's ISA (with any fallback)."""
+           attention: str = "sdpa", compile_mode: str | None = None) -> None:
+    """Print the native runtime's answer, then one speed line naming the precision, attention, the decode step
+    (eager or compiled), the kernels that ran and this machine's ISA (with any fallback)."""
     lm = quantspec.load(model, dtype, threads, attention)
     ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
-    result = Decoder(lm, max_len=len(ids) + max_new_tokens + 1).generate(ids, max_new_tokens, sampling)
+    decoder = Decoder(lm, max_len=len(ids) + max_new_tokens + 1, compile_mode=compile_mode)
+    result = decoder.generate(ids, max_new_tokens, sampling)
+    step = "eager step" if decoder.step is None or decoder.step.fallback else f"compiled step ({compile_mode})"
     console.print(result.text)
-    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention, "
+    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention, {step}, "
                   f"{hardware_line(lm.model)}[/]")
 
 

@@ -1,0 +1,120 @@
+"""The compiled one-token decode step (runtime/compiled.py): same greedy tokens as eager in fp32, one graph for
+every position, eager fallback where the step does not compile, and ``quantspec generate --compile``."""
+import pytest
+import torch
+
+from quant.kvcache import make_cache_factory
+from runtime.compiled import DEFAULT_MODE, CompiledStep
+from runtime.generate import Decoder
+from runtime.loading import load_model
+
+PROMPT = list(range(5, 30))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, one_thread):
+    return load_model(tiny_llama_dir, "fp32")
+
+
+def greedy(lm, compile_mode=None, cache_factory=None, n=24):
+    decoder = Decoder(lm, max_len=64, cache_factory=cache_factory, compile_mode=compile_mode)
+    return decoder, decoder.generate(PROMPT, n, ignore_eos=True).tokens
+
+
+def test_compiled_greedy_tokens_equal_eager_fp32(tiny):
+    _, eager = greedy(tiny)
+    decoder, compiled = greedy(tiny, "default")
+    assert decoder.step.fallback is None
+    assert compiled == eager
+    # negative control: the same step fed the wrong position (one behind) decodes other tokens
+    decoder.generate(PROMPT, 2, ignore_eos=True)
+    good = decoder.step
+    decoder.step = lambda token, input_pos: good(token, input_pos - 1)
+    assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens != eager
+
+
+def test_compiled_step_logits_follow_the_weights_it_was_compiled_from(tiny_llama_dir, tiny):
+    """Negative control for the equality above: a step compiled from a perturbed model differs from eager."""
+    _, eager = greedy(tiny)
+    perturbed = load_model(tiny_llama_dir, "fp32")
+    with torch.no_grad():
+        perturbed.model.layers[0].mlp.down_proj.weight.mul_(-1)
+    _, compiled = greedy(perturbed, "default")
+    assert compiled != eager
+
+
+def test_one_graph_serves_every_position(tiny):
+    """The step's shapes do not depend on the position: decoding 24 tokens compiles once."""
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    decoder, _ = greedy(tiny, "default")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+    # negative control: the eager forward reads as many keys as the position says, so it cannot be one graph
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        torch.compile(tiny.model, fullgraph=True, backend="eager")(torch.tensor([[5]]), torch.tensor([3]))
+
+
+def test_each_decoder_compiles_its_own_step_past_dynamos_recompile_limit(tiny):
+    """Each decoder's step is guarded on its own cache tensors; sharing one code object, the third decoder here
+    would exceed the (lowered) recompile limit and fail (fullgraph) instead of compiling."""
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        steps = [greedy(tiny, "default", n=3)[0].step for _ in range(3)]
+    assert all(step.fallback is None for step in steps)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 3
+
+
+def test_a_step_that_does_not_compile_falls_back_to_eager_with_one_line(tiny, capsys):
+    """The fp8 KV cache slices at the position's value (a graph break): its step runs eager, said once."""
+    fp8 = make_cache_factory("fp8")
+    _, eager = greedy(tiny, cache_factory=fp8)
+    decoder, compiled = greedy(tiny, "default", cache_factory=fp8)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("compiled decode step")]
+    assert decoder.step.fallback and len(lines) == 1 and "running eager" in lines[0]
+    assert compiled == eager
+    dense, _ = greedy(tiny, "default")  # negative control: the dense cache compiles
+    assert dense.step.fallback is None
+
+
+@pytest.mark.parametrize("scheme", ["W8A16", "w4g32-sym"])
+def test_quantized_linears_compile_to_one_graph(tiny_llama_dir, one_thread, scheme):
+    from quant.quantize import quantize_model
+
+    lm = load_model(tiny_llama_dir, "bf16")
+    kernels = quantize_model(lm, scheme, progress=False).kernels
+    decoder, _ = greedy(lm, "default", n=4)
+    assert decoder.step.fallback is None, (kernels, decoder.step.fallback)
+
+
+def test_unknown_mode(tiny):
+    with pytest.raises(ValueError, match="unknown compile mode"):
+        CompiledStep(tiny.model, "fastest")
+
+
+def test_cli_generate_compile_prints_the_eager_text(tiny_llama_dir, one_thread, capsys):
+    from quantspec.cli import main
+
+    def run(*flags):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", str(tiny_llama_dir), "-p", "hello", "--dtype", "fp32", "-n", "12", *flags])
+        assert exit_.value.code == 0
+        text, summary = capsys.readouterr().out.rsplit("prompt ", 1)  # the answer, then the speed line
+        return text, " ".join(summary.split())
+
+    eager_text, eager_line = run("--no-compile")
+    text, line = run("--compile")
+    assert text == eager_text and f"compiled step ({DEFAULT_MODE})" in line and "eager step" in eager_line
+
+
+def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
+    """bench/decode.py --compile's record: a row per dtype with both speeds, compile time, token equality."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "bench" / "decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = bench.compiled_record(str(tiny_llama_dir), ["default"], new_tokens=6, repeats=1)
+    rows = {r["dtype"]: r for r in record.results["rows"]}
+    assert set(rows) == {"fp32", "bf16"} and rows["fp32"]["greedy_tokens_equal"]
+    assert all(r["fallback"] is None and r["compiled_tok_s"] > 0 and r["first_call_s"] > 0 for r in rows.values())
+    assert record.hardware["torch_threads"] == 1 and record.lengths.output_tokens == {"fixed": 6}
