@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.data import find_data_dir
 from runtime.errors import UserError
-from runtime.generate import Decoder, encode_prompt
+from runtime.generate import Decoder, encode_prompt, greedy_batch
 from runtime.loading import load_model
 from specdec.eagle_head import expected_shapes, head_config, load_head, new_head, save_head
 from specdec.speculative import SpeculativeDecoder
@@ -62,6 +62,35 @@ def test_hidden_hook_leaves_logits_unchanged(tiny):
     b.keep_hidden()
     assert torch.equal(a.forward([1, 5, 9]), b.forward([1, 5, 9]))
     assert torch.allclose(b.hidden[:3], hidden[0, :3], atol=1e-5)  # 3 rows vs 5: fp32 GEMMs may round apart
+
+
+ANSWER_PROMPTS = PROMPTS + ["a", "Count: one two three four five six seven", "zz top"]
+
+
+@pytest.fixture(scope="module")
+def answers(tiny):
+    """(prompts of different lengths, each one's greedy answer decoded alone)."""
+    prompts = [tiny.tokenizer.encode(p) for p in ANSWER_PROMPTS]
+    assert len({len(p) for p in prompts}) > 3  # real padding
+    return prompts, [Decoder(tiny).generate(ids, 24).tokens for ids in prompts]
+
+
+def test_batched_answers_equal_one_at_a_time(tiny, answers):
+    """Training answers come from a left-padded greedy batch: row by row they are the one-at-a-time answers."""
+    prompts, one = answers
+    assert greedy_batch(tiny, prompts, 24) == one
+    assert greedy_batch(tiny, prompts[:1], 24) == one[:1]
+
+
+def test_batched_answers_negative_control_padding_seen(tiny, answers, monkeypatch):
+    """With the padding hidden from nobody (``pad`` dropped), the padded rows' answers change."""
+    prompts, one = answers
+    forward = type(tiny.model).forward
+    monkeypatch.setattr(type(tiny.model), "forward", lambda self, *a, pad=None, **kw: forward(self, *a, **kw))
+    broken = greedy_batch(tiny, prompts, 24)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert broken[longest] == one[longest]  # the unpadded row is unaffected
+    assert sum(b != o for b, o in zip(broken, one)) >= len(prompts) // 2, (broken, one)
 
 
 def test_training_writes_vllm_eagle_layout(trained, tiny):
