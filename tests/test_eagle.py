@@ -229,3 +229,42 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
     assert exc.value.code == 2
+
+
+# ---- the search-space axis ----
+
+def test_search_space_eagle_axis(trained, tiny_llama_dir, tmp_path):
+    """``eagle:PATH`` is a proposer choice like ngram: the (toy-evaluated) search samples it with K and, as the
+    only speculative choice, its best trial is an eagle one."""
+    from studies.search import run_search
+    from test_search import ToyEvaluator, settings, toy_space
+
+    out, _ = trained
+    space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym"], kv=["none"], proposers=["none", f"eagle:{out}"],
+                      k=(2, 4))
+    outcome = run_search(settings(tmp_path, space, n_trials=8, sampler="random"), ToyEvaluator())
+    configs = [t.user_attrs["config"] for t in outcome.study.trials if t.state.name == "COMPLETE"]
+    assert {c["proposer"] for c in configs} == {"none", f"eagle:{out}"}
+    assert all(2 <= c["k"] <= 4 for c in configs if c["proposer"] != "none")
+    assert outcome.study.best_trial.user_attrs["config"]["proposer"] == f"eagle:{out}"
+
+
+def test_search_space_refuses_bad_head_before_the_search(tiny, trained, tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Every head the proposer refuses fails the space in one line; `quantspec search` exits 2 before any study."""
+    from studies.space import SearchSpace, load_space
+
+    for path, needle in _bad_heads(tiny, trained, tmp_path):
+        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+            SearchSpace(model=str(tiny_llama_dir), proposers=["none", f"eagle:{path}"])
+    with pytest.raises(UserError, match="eagle needs a head directory"):
+        SearchSpace(model=str(tiny_llama_dir), proposers=["eagle"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="runs/eagle-head is not a directory"):
+        load_space("eagle", model=str(tiny_llama_dir))  # the shipped space, before its head is trained
+    with pytest.raises(SystemExit) as exc:
+        main(["search", "--model", str(tiny_llama_dir), "--proposers", f"none,eagle:{tmp_path / 'missing'}",
+              "--study-dir", str(tmp_path / "study"), "--n-trials", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a directory" in err[0], err
+    assert not (tmp_path / "study").exists()

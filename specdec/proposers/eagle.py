@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.errors import UserError
+from runtime.loading import read_config
+from runtime.model_store import resolve_model
 from specdec.eagle_head import load_head
 from specdec.proposers.base import Proposal, Proposer, draw, register_proposer
 
@@ -28,12 +30,21 @@ class EagleProposer(Proposer):
         self.decoder = None
         self.pos = 0  # head positions holding real (target-state) pairs
 
-    @classmethod
-    def from_spec(cls, arg, target):
+    @staticmethod
+    def _load(arg: str, target_config: dict, dtype: torch.dtype):
         if not arg:
             raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
-        head, d2t, _ = load_head(arg, target.config, target.dtype)
+        return load_head(arg, target_config, dtype)
+
+    @classmethod
+    def from_spec(cls, arg, target):
+        head, d2t, _ = cls._load(arg, target.config, target.dtype)
         return cls(target, head, d2t, f"eagle:{arg}")
+
+    @classmethod
+    def check_spec(cls, arg, model):
+        """The head file and its shapes against ``model``'s config (a head is a few MB: loading it is the check)."""
+        cls._load(arg, read_config(resolve_model(model)), torch.float32)
 
     @property
     def label(self) -> str:
