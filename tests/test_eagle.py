@@ -268,3 +268,27 @@ def test_search_space_refuses_bad_head_before_the_search(tiny, trained, tiny_lla
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a directory" in err[0], err
     assert not (tmp_path / "study").exists()
+
+
+# ---- check-lossless ----
+
+def test_check_lossless_cli_eagle(trained, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`quantspec check-lossless --spec eagle:DIR` on the tiny target with its lm_head x20 (peaked p; the hidden
+    states the head reads are unchanged by the scaling): greedy token-exact, sampled first steps at T=1 within the
+    exact-sampler noise, first-position acceptance at Σ min(p, q); and it fails when sampled verification always
+    accepts (the negative control of tests/test_specdec.py)."""
+    from test_specdec import assert_always_accept_fails, run_cli, save_head_scaled
+
+    out, _ = trained
+    target_dir = save_head_scaled(tiny_llama_dir, tmp_path / "peaked", 20.0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
+    args = ["check-lossless", str(target_dir), "--spec", f"eagle:{out}", "--k", "3", "--prompts", str(prompts),
+            "--limit", "1", "-n", "16", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "2000",
+            "--temperature", "1.0", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
+    assert run_cli(args) == 0
+    results = json.loads((tmp_path / "ok.json").read_text())
+    first = results["results"]["first_step"][0]
+    assert results["engine"]["config"]["proposer"] == f"eagle:{out}"
+    assert first["passed"] and first["acceptance"]["rounds"] == 300 and first["acceptance"]["expected"] < 0.8
+    assert_always_accept_fails(args, tmp_path, monkeypatch, capsys)
