@@ -126,6 +126,25 @@ def test_greedy_token_identical_bf16(trained, tiny_llama_dir):
         assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(lm).generate(ids, 40, ignore_eos=True).tokens
 
 
+def test_int8_head(trained, tiny):
+    """``weights=w8ch-sym``: the head's linears run int8 (quant/ kernels); still token-exact, acceptance close to
+    the bf16 head's; a bad option or scheme is refused in one line."""
+    from quant.qlinear import QuantizedLinear
+
+    out, _ = trained
+    sd = SpeculativeDecoder(tiny, f"eagle:{out},weights=w8ch-sym", 3)
+    assert sd.proposer.label == f"eagle:{out},weights=w8ch-sym"
+    assert sum(isinstance(m, QuantizedLinear) for m in sd.proposer.head.modules()) == 8  # fc + 4 attn + 3 mlp
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
+    int8, bf16 = (acceptance(tiny, f"eagle:{out}{w}", PROMPTS[:2]) for w in (",weights=w8ch-sym", ""))
+    assert abs(int8 - bf16) < 0.1, (int8, bf16)
+    for spec, needle in ((f"eagle:{out},bits=8", "unknown option"), (f"eagle:{out},weights=W8A8", "weight-only"),
+                         (f"eagle:{out},weights=w9", "unknown scheme")):
+        with pytest.raises(UserError, match=needle):
+            SpeculativeDecoder(tiny, spec, 2)
+
+
 def test_sampling_runs(trained, tiny):
     from runtime.sampling import SamplingConfig
 
@@ -292,3 +311,35 @@ def test_check_lossless_cli_eagle(trained, tiny_llama_dir, tmp_path, monkeypatch
     assert results["engine"]["config"]["proposer"] == f"eagle:{out}"
     assert first["passed"] and first["acceptance"]["rounds"] == 300 and first["acceptance"]["expected"] < 0.8
     assert_always_accept_fails(args, tmp_path, monkeypatch, capsys)
+
+
+# ---- bench/spec_quant.py ----
+
+def test_spec_quant_bench_smoke(trained, tiny_llama_dir, data_dir, tmp_path):
+    """The coupling-table script at tiny settings: target none / w8ch-sym x head fp32 / int8, one Spec-Bench prompt,
+    8 tokens; one run record with the six conditions, per-position acceptance and greedy equality per condition."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, _ = trained
+    root = Path(__file__).resolve().parents[1]
+    result = tmp_path / "spec_quant.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "spec_quant.py"), "--head-dir", str(out), "--model",
+                           str(tiny_llama_dir), "--dtype", "fp32", "--threads", "1", "--per-category", "1", "--tasks",
+                           "mt_bench", "--max-new-tokens", "8", "--ks", "2", "--targets", "none,w8ch-sym", "--data-dir",
+                           str(data_dir), "--note", "smoke", "--out", str(result)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(result.read_text())
+    assert {"model", "hardware", "lengths", "arrival", "engine", "metric"} <= set(record)
+    assert record["name"] == "spec-quant" and record["lengths"]["output_tokens"] == {"fixed": 8}
+    conditions = record["results"]["conditions"]
+    assert [(c["target"], c["head"]) for c in conditions] == [("none", "fp32"), ("none", "w8ch-sym"),
+                                                              ("w8ch-sym", "fp32"), ("w8ch-sym", "w8ch-sym")]
+    assert conditions[2]["target_scheme"] == "w8ch-sym" and conditions[1]["proposer"].endswith(",weights=w8ch-sym")
+    for c in conditions:
+        (row,) = c["rows"]
+        assert row["k"] == 2 and len(row["acceptance_per_pos"]) == 2 and row["greedy_equal"] == 1
+        assert row["speedup"] > 0 and row["refined_speedup"] > 0 and c["baseline"]["tok_s"] > 0
+    assert record["results"]["notes"] == "smoke" and record["results"]["head"]["config"]["kind"] == "eagle1"
