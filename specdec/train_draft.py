@@ -1,10 +1,10 @@
 """Train an EAGLE-1 style draft head (specdec/eagle_head.py) for a target, from the target itself.
 
 Training set: the target's own greedy answers (self-distillation, through its chat template, generated in
-left-padded batches: ``runtime.generate.greedy_batch``) to Alpaca
-instructions from the data dir (``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a
-Spec-Bench or MT-Bench turn is dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the
-target's final-norm hidden states over each sequence are extracted teacher-forced. Loss per position: smooth L1
+left-padded batches by ``runtime.generate.greedy_batch``) to Alpaca instructions from the data dir
+(``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a Spec-Bench or MT-Bench turn is
+dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the target's final-norm hidden states
+over each sequence are extracted teacher-forced. Loss per position: smooth L1
 between the predicted and the target's next hidden state + ``ce_weight`` x cross-entropy of the draft's token
 distribution against the target's next-token distribution (both through the target's frozen LM head). A held-out
 slice gives a per-epoch acceptance estimate: how often the draft's first token equals the target's greedy token
