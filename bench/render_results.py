@@ -404,7 +404,10 @@ def render_eagle(d: dict) -> str:
             f"{num(split['heldout_evaluation'], 1)} s, Spec-Bench measurement {num(split['spec_bench_measurement'], 0)} s. "
             f"{num(t['n_sequences'])} sequences, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
             f"held-out acceptance per epoch: {held}.")
-    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items() if k not in ("training", "time_split_s")}}
+    if d["results"].get("notes"):
+        head = f"Note: {d['results']['notes']}\n\n{head}"
+    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items()
+                                         if k not in ("training", "time_split_s", "notes")}}
     return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [sweep]}})
 
 

@@ -55,6 +55,7 @@ if __name__ == "__main__":
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--head-dir", default="/tmp/quantspec-eagle-head")
+    parser.add_argument("--note", default=None, help="Stored in the record, e.g. which budget protocol this run is.")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--reuse-head", action="store_true",
                         help="Skip training: measure the head in --head-dir, taking the training part of the record "
@@ -101,6 +102,8 @@ if __name__ == "__main__":
     record.results["time_split_s"] = {"extraction": training["extract_s"], "training": training["train_s"],
                                       "heldout_evaluation": training["eval_s"], "spec_bench_measurement": measure_s}
     record.results["threads"] = torch.get_num_threads()
+    if args.note:
+        record.results["notes"] = args.note
     record.results["load_average_after"] = os.getloadavg()
     print_sweep(record)
     print(f"wrote {record.write(args.out)}")
