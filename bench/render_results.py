@@ -424,8 +424,37 @@ def render_eagle(d: dict) -> str:
             f"{num(split['heldout_evaluation'], 1)} s, Spec-Bench measurement {num(split['spec_bench_measurement'], 0)} s. "
             f"{num(t['n_sequences'])} sequences, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
             f"held-out acceptance per epoch: {held}.")
-    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items() if k not in ("training", "time_split_s")}}
+    if d["results"].get("notes"):
+        head = f"Note: {d['results']['notes']}\n\n{head}"
+    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items()
+                                         if k not in ("training", "time_split_s", "notes")}}
     return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [sweep]}})
+
+
+@bench("spec_quant.json", "Quantization x speculation: an EAGLE head on quantized targets", "bench/spec_quant.py",
+       "The head trained on the unquantized target drafts for the same target with RTN-quantized weights (W8A8 = "
+       "int8 per-channel weights with dynamic per-token int8 activations), the head itself unquantized or int8 "
+       "weight-only. Speedup is over plain decoding of the same quantized target; the sweep columns are those of "
+       "the speculative-decoding section.")
+def render_spec_quant(d: dict) -> str:
+    r, n = d["results"], d["lengths"]["n_requests"]
+    rows = [(c, row) for c in r["conditions"] if "rows" in c for row in c["rows"]]
+    cols = [c for c in SWEEP_COLS if any(c[1] in row for _, row in rows)]
+    body = [[c["target"], c["head"], num(c["baseline"]["tok_s"], 1)]
+            + [(f"{row[key]}/{n}" if key == "greedy_equal" else fmt(row[key])) if key in row else "–"
+               for _, key, fmt in cols] for c, row in rows]
+    cfg, training = r["head"].get("config", {}), r["head"].get("training")
+    head = (f"Head `{d['engine']['config']['head_dir']}`: held-out first-token acceptance {num(cfg.get('heldout_top1'))} "
+            f"after {num(cfg.get('steps'))} steps")
+    if training:
+        head += (f"; budget {compact(training['budget'])}, trained in {num(training['wall_s'], 0)} s (extraction "
+                 f"{num(training['extract_s'], 0)} s, training {num(training['train_s'], 0)} s)")
+    kernels = {c["target"]: c["target_kernels"] for c in r["conditions"] if "target_kernels" in c}
+    parts = [f"Note: {r['notes']}" if r.get("notes") else "", head + ".",
+             table(["target", "head", "plain tok/s", *(c[0] for c in cols)], body),
+             "Target kernels: " + "; ".join(f"{t}: {kernels_text(k)}" for t, k in kernels.items()) + "."]
+    parts += [f"Refused: {c['target']} x head {c['head']}: {c['refused']}" for c in r["conditions"] if "refused" in c]
+    return "\n\n".join(p for p in parts if p)
 
 
 @bench("check-lossless-*.json", "Lossless checks of speculative sampling", "quantspec check-lossless --json FILE",

@@ -1,6 +1,6 @@
 """Train an EAGLE draft head on the default model under a wall-clock cap, then measure it on Spec-Bench.
 
-Usage: .venv/bin/python bench/train_draft.py [--prompts 300] [--answer-seconds 240] [--train-seconds 300]
+Usage: .venv/bin/python bench/train_draft.py [--prompts 300] [--answer-seconds 240] [--answer-batch 16] [--train-seconds 300]
        [--ks 1,2,3,4,5] [--per-category 2] [--max-new-tokens 128] [--head-dir /tmp/quantspec-eagle-head]
 Training (specdec/train_draft.py): the target's own greedy answers to Alpaca instructions (benchmark overlaps
 dropped) + WikiText-2 validation chunks; the time split (extraction, training, held-out evaluation) and the
@@ -45,6 +45,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-answer-tokens", type=int, default=64)
     parser.add_argument("--wikitext", type=int, default=32)
     parser.add_argument("--answer-seconds", type=float, default=240.0, help="Cap on generating answers.")
+    parser.add_argument("--answer-batch", type=int, default=16, help="Prompts answered together (greedy batch).")
     parser.add_argument("--train-seconds", type=float, default=300.0, help="Cap on the training loop.")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
@@ -54,6 +55,7 @@ if __name__ == "__main__":
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--head-dir", default="/tmp/quantspec-eagle-head")
+    parser.add_argument("--note", default=None, help="Stored in the record, e.g. which budget protocol this run is.")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--reuse-head", action="store_true",
                         help="Skip training: measure the head in --head-dir, taking the training part of the record "
@@ -63,7 +65,8 @@ if __name__ == "__main__":
     lm = load_model(args.model, args.dtype, args.threads, "eager")
     cfg = TrainConfig(n_prompts=args.prompts, max_answer_tokens=args.max_answer_tokens, n_wikitext=args.wikitext,
                       epochs=args.epochs, batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
-                      train_seconds=args.train_seconds, answer_seconds=args.answer_seconds)
+                      train_seconds=args.train_seconds, answer_seconds=args.answer_seconds,
+                      answer_batch=args.answer_batch)
     last = [0.0]
 
     def progress(stage, done, total, detail):
@@ -83,7 +86,8 @@ if __name__ == "__main__":
               f"held-out evaluation {result.eval_s:.0f} s; epochs {result.epochs}", flush=True)
         training = {**result.to_dict(), "wall_s": train_wall,
                     "budget": {"answer_seconds": args.answer_seconds, "train_seconds": args.train_seconds,
-                               "prompts": args.prompts, "max_answer_tokens": args.max_answer_tokens},
+                               "prompts": args.prompts, "max_answer_tokens": args.max_answer_tokens,
+                               "answer_batch": args.answer_batch},
                     "head_dir": args.head_dir}
         side.write_text(json.dumps(training, indent=1))
     texts = spec_bench_prompts(args.per_category, args.data_dir)
@@ -98,6 +102,8 @@ if __name__ == "__main__":
     record.results["time_split_s"] = {"extraction": training["extract_s"], "training": training["train_s"],
                                       "heldout_evaluation": training["eval_s"], "spec_bench_measurement": measure_s}
     record.results["threads"] = torch.get_num_threads()
+    if args.note:
+        record.results["notes"] = args.note
     record.results["load_average_after"] = os.getloadavg()
     print_sweep(record)
     print(f"wrote {record.write(args.out)}")

@@ -1,4 +1,5 @@
-"""Prefill + decode with the native runtime's explicit KV cache (batch 1), greedy or sampled."""
+"""Prefill + decode with the native runtime's explicit KV cache: batch 1, greedy or sampled (``Decoder``), and
+several prompts at once, greedy (``greedy_batch``)."""
 from __future__ import annotations
 
 import json
@@ -129,3 +130,31 @@ class Decoder:
         t2 = time.perf_counter()
         text = self.lm.tokenizer.decode(out, skip_special_tokens=True)
         return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason, chunk_s=chunk_s)
+
+
+@torch.inference_mode()
+def greedy_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to several prompts in one left-padded batch, each stopping after its first end-of-turn token:
+    ``Decoder.generate``'s tokens up to rounding. Rows without padding match bitwise; a padded row's attention sums
+    over a longer (masked) key tail, which in bf16 can round differently and flip a near-tie (default model, 16
+    Alpaca prompts: 11 of 16 answers identical, the others diverged after 6-46 tokens; fp32 tiny model: all).
+    Re-allocates the model's KV cache: a ``Decoder`` on the same model must be created afterwards."""
+    if max_new_tokens < 1:
+        raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    width = max(len(p) for p in prompts)
+    if width + max_new_tokens > lm.model.args.max_seq_len:
+        raise UserError(f"sequence of {width + max_new_tokens} tokens exceeds max length {lm.model.args.max_seq_len}")
+    pad = torch.tensor([width - len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    stop = eos_token_ids(lm)
+    eos = torch.tensor(sorted(stop), dtype=torch.long)
+    lm.model.setup_cache(len(prompts), width + max_new_tokens)
+    token = lm.model(ids, torch.arange(width), pad=pad)[:, -1].argmax(-1)
+    out, done = [token], torch.isin(token, eos)
+    while len(out) < max_new_tokens and not bool(done.all()):
+        pos = torch.tensor([width + len(out) - 1])
+        token = lm.model(token[:, None], pos, pad=pad)[:, -1].argmax(-1)
+        out.append(token)
+        done |= torch.isin(token, eos)
+    rows = torch.stack(out, 1).tolist()
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in stop), len(row))] for row in rows]

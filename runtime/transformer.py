@@ -109,7 +109,8 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-ATTENTION: Registry = Registry("attention")  # name -> fn(q, k, v, mask) on [batch, heads, len, head_dim]
+ATTENTION: Registry = Registry("attention")  # name -> fn(q, k, v, mask) on [batch, heads, len, head_dim];
+# mask: None, [len, keys] or [batch, 1, len, keys] (True = attend)
 
 
 @ATTENTION.register("sdpa")
@@ -135,8 +136,8 @@ def batch_invariant_attention(q, k, v, mask):
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv, group = k.shape[1], n_heads // k.shape[1]
     scores = torch.matmul(q.reshape(bsz, n_kv, group * seqlen, head_dim), k.transpose(-1, -2))
-    if mask is not None:
-        scores = scores.view(bsz, n_kv, group, seqlen, -1).masked_fill(~mask, float("-inf"))
+    if mask is not None:  # [len, keys] or [batch, 1, len, keys]: insert the group axis
+        scores = scores.view(bsz, n_kv, group, seqlen, -1).masked_fill(~mask[..., None, :, :], float("-inf"))
     probs = torch.softmax(scores.float() * head_dim ** -0.5, -1).to(q.dtype).view(bsz, n_kv, group * seqlen, -1)
     n_keys = k.shape[2]
     if n_keys <= KEY_BLOCK:
@@ -201,10 +202,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, pad: torch.Tensor | None = None):
         """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending).
         ``return_hidden``: (logits, the final-norm hidden states the LM head reads) — what EAGLE heads draft from;
-        the logits are the same either way."""
+        the logits are the same either way. ``pad`` [batch]: left padding, row b's first pad[b] cache slots hold
+        no tokens; they are hidden from the row's queries and its RoPE positions start after them."""
         if input_pos[-1] >= self.max_len:
             raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
         align = KEY_ALIGN.get(self.attn_implementation, 1)
@@ -212,17 +214,22 @@ class Transformer(nn.Module):
         length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
         mask = None
-        if seqlen > 1 or length > last:  # causal within the new tokens, and past the last one
+        if seqlen > 1 or length > last or pad is not None:  # causal within the new tokens, and past the last one
             key_pos = torch.arange(length, device=tokens.device)
             mask = key_pos[None, :] <= input_pos[:, None]
-        logits, hidden = self.run(tokens, input_pos, mask, length, n_layers)
+            if pad is not None:  # a padding slot's query sees only itself (a row with no key would give NaN)
+                mask = mask & ((key_pos >= pad[:, None])[:, None, None, :] | (key_pos == input_pos[:, None]))
+        rope_pos = None if pad is None else (input_pos - pad[:, None]).clamp(min=0)[:, None]  # [b, 1, len]
+        logits, hidden = self.run(tokens, input_pos, mask, length, n_layers, rope_pos)
         return (logits, hidden) if return_hidden else logits
 
     def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, length: int,
-            n_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            n_layers: int | None = None, rope_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final-norm hidden states) reading the first ``length`` cache positions under ``mask``; no
-        branch on tensor values, so ``runtime.compiled`` compiles it with ``length`` the whole cache."""
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        branch on tensor values, so ``runtime.compiled`` compiles it with ``length`` the whole cache. ``rope_pos``:
+        RoPE positions where they differ from the cache positions (left padding)."""
+        rope_pos = input_pos if rope_pos is None else rope_pos
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
         attend = ATTENTION.get(self.attn_implementation)

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from quant.methods import get_method
+from quant.qlinear import QuantizedLinear
+from quant.scheme import check_group_fits, parse_scheme
 from runtime.errors import UserError
 from runtime.transformer import ModelArgs, RMSNorm, apply_rope, rope_tables
 
@@ -70,7 +73,7 @@ class EagleHead(nn.Module):
 
     def setup_cache(self, max_len: int) -> None:
         a = self.args
-        dtype = self.fc.weight.dtype
+        dtype = self.layers[0].post_attention_layernorm.weight.dtype  # the head's dtype (its linears may be quantized)
         self.k_cache = torch.zeros(1, a.n_kv_heads, max_len, a.head_dim, dtype=dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
 
@@ -120,6 +123,22 @@ def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int 
                 if n.endswith(f"{name}.weight"):
                     p.mul_(0.1)
     return head.to(dtype)
+
+
+def quantize_head(head: EagleHead, scheme: str) -> EagleHead:
+    """Replace the head's linears (fc and the layer's) in place by weight-only RTN-quantized ones (quant/ kernels,
+    e.g. ``w8ch-sym``: int8 per channel); returns the head."""
+    parsed = parse_scheme(scheme)
+    if parsed.weights is None or parsed.activations is not None:
+        raise UserError(f"eagle head weights={scheme}: pick a weight-only scheme such as w8ch-sym")
+    rtn = get_method("rtn")
+    dtype = head.layers[0].post_attention_layernorm.weight.dtype
+    for name, linear in [(n, m) for n, m in head.named_modules() if isinstance(m, nn.Linear)]:
+        check_group_fits(parsed, f"eagle head {name}", linear.in_features)
+        result = rtn.quantize_weight(linear.weight.detach().float(), parsed.weights, None)
+        head.set_submodule(name, QuantizedLinear.from_result(result, parsed.weights, linear.in_features, linear.bias,
+                                                             dtype=dtype))
+    return head
 
 
 def save_head(head: EagleHead, out: Path, config: dict, d2t: torch.Tensor | None = None) -> Path:

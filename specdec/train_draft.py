@@ -1,9 +1,10 @@
 """Train an EAGLE-1 style draft head (specdec/eagle_head.py) for a target, from the target itself.
 
-Training set: the target's own greedy answers (self-distillation, through its chat template) to Alpaca
-instructions from the data dir (``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a
-Spec-Bench or MT-Bench turn is dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the
-target's final-norm hidden states over each sequence are extracted teacher-forced. Loss per position: smooth L1
+Training set: the target's own greedy answers (self-distillation, through its chat template, generated in
+left-padded batches by ``runtime.generate.greedy_batch``) to Alpaca instructions from the data dir
+(``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a Spec-Bench or MT-Bench turn is
+dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the target's final-norm hidden states
+over each sequence are extracted teacher-forced. Loss per position: smooth L1
 between the predicted and the target's next hidden state + ``ce_weight`` x cross-entropy of the draft's token
 distribution against the target's next-token distribution (both through the target's frozen LM head). A held-out
 slice gives a per-epoch acceptance estimate: how often the draft's first token equals the target's greedy token
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from runtime.data import PROMPT_FILES, data_file, read_jsonl
 from runtime.errors import UserError
-from runtime.generate import Decoder, encode_prompt
+from runtime.generate import Decoder, encode_prompt, greedy_batch
 from runtime.loading import LoadedModel
 from specdec.eagle_head import head_config, new_head, save_head
 
@@ -48,6 +49,7 @@ class TrainConfig:
     train_seconds: float | None = None  # wall-clock cap on the training loop (stops mid-epoch)
     seed: int = 0
     answer_seconds: float | None = None  # wall-clock cap on generating the answers (fewer prompts if reached)
+    answer_batch: int = 16          # prompts answered together (left-padded greedy batch)
 
 
 @dataclass
@@ -117,16 +119,14 @@ def wikitext_chunks(lm: LoadedModel, n: int, length: int, data_dir=None) -> list
 def build_sequences(lm: LoadedModel, cfg: TrainConfig, data_dir=None, progress: Progress = lambda *a: None):
     """Token sequences (prompt + the target's own greedy answer; WikiText chunks) and the dropped-prompt count."""
     prompts, dropped = alpaca_prompts(cfg.n_prompts, data_dir, cfg.seed)
-    decoder = Decoder(lm, 2048)
     seqs = []
     t0 = time.perf_counter()
-    for i, text in enumerate(prompts):
+    for i in range(0, len(prompts), cfg.answer_batch):
         if cfg.answer_seconds is not None and time.perf_counter() - t0 > cfg.answer_seconds:
             break
-        ids = encode_prompt(lm.tokenizer, text)[-512:]
-        answer = decoder.generate(ids, cfg.max_answer_tokens).tokens
-        seqs.append(ids + answer)
-        progress("answers", i + 1, len(prompts), "self-distillation")
+        batch = [encode_prompt(lm.tokenizer, text)[-512:] for text in prompts[i : i + cfg.answer_batch]]
+        seqs += [ids + answer for ids, answer in zip(batch, greedy_batch(lm, batch, cfg.max_answer_tokens))]
+        progress("answers", len(seqs), len(prompts), "self-distillation")
     seqs += wikitext_chunks(lm, cfg.n_wikitext, cfg.wikitext_len, data_dir)
     return seqs, dropped
 

@@ -24,7 +24,7 @@ from evals.backends.base import ServingConfig
 from evals.config import NONE, Config, parse_activations
 from quant.kvcache import parse_kv_spec
 from quant.scheme import parse_scheme
-from specdec.proposers.base import parse_proposer_spec
+from specdec.proposers.base import check_proposer_spec
 
 SPACES_DIR = Path(__file__).parent / "spaces"
 TrialConfig = Config  # one configuration point: the search stores ``Config.to_dict()`` in user_attrs
@@ -60,8 +60,8 @@ class SearchSpace:
             parse_activations(a)
         for kv in self.kv:
             parse_kv_spec(kv)
-        for p in self.proposers:
-            parse_proposer_spec(p)
+        for p in self.proposers:  # an eagle head is checked against the model here, before any trial
+            check_proposer_spec(p, self.model)
         sq = self.smoothquant if isinstance(self.smoothquant, (list, tuple)) else [self.smoothquant]
         self.smoothquant = [NONE if v in (None, NONE) else float(v) for v in sq] or [NONE]
         k = list(self.k) if isinstance(self.k, (list, tuple)) else [self.k, self.k]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.data import find_data_dir
 from runtime.errors import UserError
-from runtime.generate import Decoder, encode_prompt
+from runtime.generate import Decoder, encode_prompt, greedy_batch
 from runtime.loading import load_model
 from specdec.eagle_head import expected_shapes, head_config, load_head, new_head, save_head
 from specdec.speculative import SpeculativeDecoder
@@ -64,6 +64,35 @@ def test_hidden_hook_leaves_logits_unchanged(tiny):
     assert torch.allclose(b.hidden[:3], hidden[0, :3], atol=1e-5)  # 3 rows vs 5: fp32 GEMMs may round apart
 
 
+ANSWER_PROMPTS = PROMPTS + ["a", "Count: one two three four five six seven", "zz top"]
+
+
+@pytest.fixture(scope="module")
+def answers(tiny):
+    """(prompts of different lengths, each one's greedy answer decoded alone)."""
+    prompts = [tiny.tokenizer.encode(p) for p in ANSWER_PROMPTS]
+    assert len({len(p) for p in prompts}) > 3  # real padding
+    return prompts, [Decoder(tiny).generate(ids, 24).tokens for ids in prompts]
+
+
+def test_batched_answers_equal_one_at_a_time(tiny, answers):
+    """Training answers come from a left-padded greedy batch: row by row they are the one-at-a-time answers."""
+    prompts, one = answers
+    assert greedy_batch(tiny, prompts, 24) == one
+    assert greedy_batch(tiny, prompts[:1], 24) == one[:1]
+
+
+def test_batched_answers_negative_control_padding_seen(tiny, answers, monkeypatch):
+    """With the padding hidden from nobody (``pad`` dropped), the padded rows' answers change."""
+    prompts, one = answers
+    forward = type(tiny.model).forward
+    monkeypatch.setattr(type(tiny.model), "forward", lambda self, *a, pad=None, **kw: forward(self, *a, **kw))
+    broken = greedy_batch(tiny, prompts, 24)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert broken[longest] == one[longest]  # the unpadded row is unaffected
+    assert sum(b != o for b, o in zip(broken, one)) >= len(prompts) // 2, (broken, one)
+
+
 def test_training_writes_vllm_eagle_layout(trained, tiny):
     out, result = trained
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -95,6 +124,25 @@ def test_greedy_token_identical_bf16(trained, tiny_llama_dir):
     for p in PROMPTS[:2]:
         ids = lm.tokenizer.encode(p)
         assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(lm).generate(ids, 40, ignore_eos=True).tokens
+
+
+def test_int8_head(trained, tiny):
+    """``weights=w8ch-sym``: the head's linears run int8 (quant/ kernels); still token-exact, acceptance close to
+    the bf16 head's; a bad option or scheme is refused in one line."""
+    from quant.qlinear import QuantizedLinear
+
+    out, _ = trained
+    sd = SpeculativeDecoder(tiny, f"eagle:{out},weights=w8ch-sym", 3)
+    assert sd.proposer.label == f"eagle:{out},weights=w8ch-sym"
+    assert sum(isinstance(m, QuantizedLinear) for m in sd.proposer.head.modules()) == 8  # fc + 4 attn + 3 mlp
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
+    int8, bf16 = (acceptance(tiny, f"eagle:{out}{w}", PROMPTS[:2]) for w in (",weights=w8ch-sym", ""))
+    assert abs(int8 - bf16) < 0.1, (int8, bf16)
+    for spec, needle in ((f"eagle:{out},bits=8", "unknown option"), (f"eagle:{out},weights=W8A8", "weight-only"),
+                         (f"eagle:{out},weights=w9", "unknown scheme")):
+        with pytest.raises(UserError, match=needle):
+            SpeculativeDecoder(tiny, spec, 2)
 
 
 def test_sampling_runs(trained, tiny):
@@ -200,3 +248,98 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
     assert exc.value.code == 2
+
+
+# ---- the search-space axis ----
+
+def test_search_space_eagle_axis(trained, tiny_llama_dir, tmp_path):
+    """``eagle:PATH`` is a proposer choice like ngram: the (toy-evaluated) search samples it with K and, as the
+    only speculative choice, its best trial is an eagle one."""
+    from studies.search import run_search
+    from test_search import ToyEvaluator, settings, toy_space
+
+    out, _ = trained
+    space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym"], kv=["none"], proposers=["none", f"eagle:{out}"],
+                      k=(2, 4))
+    outcome = run_search(settings(tmp_path, space, n_trials=8, sampler="random"), ToyEvaluator())
+    configs = [t.user_attrs["config"] for t in outcome.study.trials if t.state.name == "COMPLETE"]
+    assert {c["proposer"] for c in configs} == {"none", f"eagle:{out}"}
+    assert all(2 <= c["k"] <= 4 for c in configs if c["proposer"] != "none")
+    assert outcome.study.best_trial.user_attrs["config"]["proposer"] == f"eagle:{out}"
+
+
+def test_search_space_refuses_bad_head_before_the_search(tiny, trained, tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Every head the proposer refuses fails the space in one line; `quantspec search` exits 2 before any study."""
+    from studies.space import SearchSpace, load_space
+
+    for path, needle in _bad_heads(tiny, trained, tmp_path):
+        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+            SearchSpace(model=str(tiny_llama_dir), proposers=["none", f"eagle:{path}"])
+    with pytest.raises(UserError, match="eagle needs a head directory"):
+        SearchSpace(model=str(tiny_llama_dir), proposers=["eagle"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="runs/eagle-head is not a directory"):
+        load_space("eagle", model=str(tiny_llama_dir))  # the shipped space, before its head is trained
+    with pytest.raises(SystemExit) as exc:
+        main(["search", "--model", str(tiny_llama_dir), "--proposers", f"none,eagle:{tmp_path / 'missing'}",
+              "--study-dir", str(tmp_path / "study"), "--n-trials", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a directory" in err[0], err
+    assert not (tmp_path / "study").exists()
+
+
+# ---- check-lossless ----
+
+def test_check_lossless_cli_eagle(trained, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`quantspec check-lossless --spec eagle:DIR` on the tiny target with its lm_head x20 (peaked p; the hidden
+    states the head reads are unchanged by the scaling): greedy token-exact, sampled first steps at T=1 within the
+    exact-sampler noise, first-position acceptance at Σ min(p, q); and it fails when sampled verification always
+    accepts (the negative control of tests/test_specdec.py)."""
+    from test_specdec import assert_always_accept_fails, run_cli, save_head_scaled
+
+    out, _ = trained
+    target_dir = save_head_scaled(tiny_llama_dir, tmp_path / "peaked", 20.0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
+    args = ["check-lossless", str(target_dir), "--spec", f"eagle:{out}", "--k", "3", "--prompts", str(prompts),
+            "--limit", "1", "-n", "16", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "2000",
+            "--temperature", "1.0", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
+    assert run_cli(args) == 0
+    results = json.loads((tmp_path / "ok.json").read_text())
+    first = results["results"]["first_step"][0]
+    assert results["engine"]["config"]["proposer"] == f"eagle:{out}"
+    assert first["passed"] and first["acceptance"]["rounds"] == 300 and first["acceptance"]["expected"] < 0.8
+    assert_always_accept_fails(args, tmp_path, monkeypatch, capsys)
+
+
+# ---- bench/spec_quant.py ----
+
+def test_spec_quant_bench_smoke(trained, tiny_llama_dir, data_dir, tmp_path):
+    """The coupling-table script at tiny settings: target none / w8ch-sym x head fp32 / int8, one Spec-Bench prompt,
+    8 tokens; one run record with the six conditions, per-position acceptance and greedy equality per condition."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, _ = trained
+    root = Path(__file__).resolve().parents[1]
+    result = tmp_path / "spec_quant.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "spec_quant.py"), "--head-dir", str(out), "--model",
+                           str(tiny_llama_dir), "--dtype", "fp32", "--threads", "1", "--per-category", "1", "--tasks",
+                           "mt_bench", "--max-new-tokens", "8", "--ks", "2", "--targets", "none,w8ch-sym", "--data-dir",
+                           str(data_dir), "--note", "smoke", "--out", str(result)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(result.read_text())
+    assert {"model", "hardware", "lengths", "arrival", "engine", "metric"} <= set(record)
+    assert record["name"] == "spec-quant" and record["lengths"]["output_tokens"] == {"fixed": 8}
+    conditions = record["results"]["conditions"]
+    assert [(c["target"], c["head"]) for c in conditions] == [("none", "fp32"), ("none", "w8ch-sym"),
+                                                              ("w8ch-sym", "fp32"), ("w8ch-sym", "w8ch-sym")]
+    assert conditions[2]["target_scheme"] == "w8ch-sym" and conditions[1]["proposer"].endswith(",weights=w8ch-sym")
+    for c in conditions:
+        (row,) = c["rows"]
+        assert row["k"] == 2 and len(row["acceptance_per_pos"]) == 2 and row["greedy_equal"] == 1
+        assert row["speedup"] > 0 and row["refined_speedup"] > 0 and c["baseline"]["tok_s"] > 0
+    assert record["results"]["notes"] == "smoke" and record["results"]["head"]["config"]["kind"] == "eagle1"

@@ -482,8 +482,6 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
     rule, exits 1 when sampled verification always accepts (acceptance 1 vs Σ min(p, q) ~0.5 over 300 rounds)."""
     import json
 
-    from specdec import speculative
-
     target_dir = save_head_scaled(tiny_llama_dir, tmp_path / "peaked", 20.0)
     draft_dir = save_head_scaled(tiny_llama_dir, tmp_path / "noisy", 20.0, 1.0, seed=1)
     prompts = tmp_path / "prompts.jsonl"
@@ -492,6 +490,17 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
             str(prompts), "--limit", "1", "-n", "8", "--samples", "300", "--prefixes", "1", "--synthetic-samples",
             "2000", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
     assert run_cli(args) == 0
+    assert_always_accept_fails(args, tmp_path, monkeypatch, capsys)
+
+
+def assert_always_accept_fails(args, tmp_path, monkeypatch, capsys):
+    """Negative control for a passing ``check-lossless`` command line ``args`` (ending in ``--json PATH``): with
+    sampled verification accepting every draft token (greedy left exact) it exits 1 on the first-position
+    acceptance (rate 1 vs Σ min(p, q) < 0.8)."""
+    import json
+
+    from specdec import speculative
+
     exact = speculative.verify
     monkeypatch.setattr(speculative, "verify", lambda logits, proposal, sampling, g: exact(logits, proposal, sampling, g)
                         if sampling.greedy else Verdict(len(proposal.tokens), int(sample_from(logits_to_probs(logits[-1], sampling), g))))

@@ -38,6 +38,10 @@ class Proposer:
     def from_spec(cls, arg: str, target: LoadedModel) -> "Proposer":
         raise NotImplementedError
 
+    @classmethod
+    def check_spec(cls, arg: str, model: str) -> None:
+        """Cheap checks of ARG for ``model`` before anything loads (a one-line UserError); default: none."""
+
     @property
     def label(self) -> str:
         return self.name
@@ -125,6 +129,14 @@ def parse_proposer_spec(text: "str | ProposerSpec | None") -> ProposerSpec | Non
     if k is not None and not 1 <= k <= 64:
         raise UserError(f"proposer {text!r}: k must be in 1..64, got {k}")
     return ProposerSpec(name, rest, k)
+
+
+def check_proposer_spec(text: "str | ProposerSpec | None", model: str) -> None:
+    """Parse ``text`` and let its proposer check its argument for ``model`` (what a search space runs for every
+    listed proposer, so a bad one fails before the search starts)."""
+    parsed = parse_proposer_spec(text)
+    if parsed is not None:
+        PROPOSERS.get(parsed.name).check_spec(parsed.arg, model)
 
 
 def build_proposer(spec: "str | ProposerSpec", target: LoadedModel) -> Proposer:

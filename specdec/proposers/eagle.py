@@ -1,5 +1,5 @@
-"""``eagle:PATH`` — a learned EAGLE-1 style draft head (specdec/eagle_head.py) drafting a chain of K tokens from
-the target's own final hidden states.
+"""``eagle:PATH[,weights=SCHEME]`` — a learned EAGLE-1 style draft head (specdec/eagle_head.py) drafting a chain
+of K tokens from the target's own final hidden states.
 
 The target decoder keeps the final-norm hidden state of every position it runs (``Decoder.keep_hidden``). The
 head consumes pairs (target state at t, token t+1) at position t and predicts the state at t+1, whose logits
@@ -7,6 +7,7 @@ come from the target's frozen LM head (or the rows a ``d2t`` map selects). Befor
 pairs it has not seen (real states only: the target holds every context position but the last), then drafts
 K tokens by feeding its own predicted state back with the drafted token. Positions it drafted at are
 overwritten with real states the next time, so a rejection needs no other rollback. Verification is unchanged.
+``weights=w8ch-sym`` runs the head's linears weight-only quantized (RTN, quant/ kernels).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.errors import UserError
-from specdec.eagle_head import load_head
+from runtime.loading import read_config
+from runtime.model_store import resolve_model
+from specdec.eagle_head import load_head, quantize_head
 from specdec.proposers.base import Proposal, Proposer, draw, register_proposer
 
 
@@ -28,12 +31,30 @@ class EagleProposer(Proposer):
         self.decoder = None
         self.pos = 0  # head positions holding real (target-state) pairs
 
+    @staticmethod
+    def _load(arg: str, target_config: dict, dtype: torch.dtype):
+        """``PATH[,weights=SCHEME]``: the head, its linears quantized when a weight scheme is given."""
+        path, *items = [x.strip() for x in arg.split(",")]
+        options = dict(item.partition("=")[::2] for item in items)
+        if not path:
+            raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
+        if set(options) - {"weights"}:
+            raise UserError(f"eagle:{arg}: unknown option(s) {sorted(set(options) - {'weights'})}; "
+                            "use eagle:PATH or eagle:PATH,weights=w8ch-sym")
+        head, d2t, cfg = load_head(path, target_config, dtype)
+        if options.get("weights", "none") != "none":
+            quantize_head(head, options["weights"])
+        return head, d2t, cfg
+
     @classmethod
     def from_spec(cls, arg, target):
-        if not arg:
-            raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
-        head, d2t, _ = load_head(arg, target.config, target.dtype)
+        head, d2t, _ = cls._load(arg, target.config, target.dtype)
         return cls(target, head, d2t, f"eagle:{arg}")
+
+    @classmethod
+    def check_spec(cls, arg, model):
+        """The head file and its shapes against ``model``'s config (a head is a few MB: loading it is the check)."""
+        cls._load(arg, read_config(resolve_model(model)), torch.float32)
 
     @property
     def label(self) -> str:
