@@ -56,7 +56,7 @@ class TaskDiff:
 @dataclass
 class BackendComparison:
     backends: tuple[str, str]
-    config: dict  # the configuration both scored (its model is the export when the weights are quantized)
+    config: dict  # the configuration (Config.to_dict) + ``checkpoint``: the weights both backends loaded
     tasks: dict[str, TaskDiff]
     record: RunRecord
 
@@ -110,7 +110,8 @@ def compare_backends(config: EvalConfig, backends: tuple[str, str] = ("native", 
     path = resolve_model(point.model)
     tokenizer = load_tokenizer(path)
     tasks = {t: _diff_task(t, scored[0][t], scored[1][t], tokenizer) for t in config.tasks}
-    return BackendComparison(tuple(backends), point.to_dict(), tasks, _record(config, point, path, backends, tasks))
+    scored_config = {k: v for k, v in config.config.to_dict().items() if k != "backend"} | {"checkpoint": str(path)}
+    return BackendComparison(tuple(backends), scored_config, tasks, _record(config, point, path, backends, tasks))
 
 
 def _record(config: EvalConfig, point, path: Path, backends, tasks: dict[str, TaskDiff]) -> RunRecord:

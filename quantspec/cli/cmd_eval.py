@@ -52,8 +52,10 @@ def print_report(report: EvalReport) -> None:
 
 def print_comparison(comparison: BackendComparison, show: int = 10) -> None:
     first, second = comparison.backends
-    table = Table(title=f"{comparison.config['model']} dtype={comparison.config.get('dtype', 'bf16')}: "
-                        f"{first} vs {second}, same weights and items")
+    cfg = comparison.config
+    table = Table(title=f"{cfg['model']} weights={cfg.get('weights')} activations={cfg.get('activations')} "
+                        f"dtype={cfg.get('dtype', 'bf16')}: {first} vs {second}, same weights and items "
+                        f"({cfg['checkpoint']})")
     for col in ("task", "n", f"{first} %", f"{second} %", "answers differ", f"only {first} right",
                 f"only {second} right", "McNemar p"):
         table.add_column(col, justify="right")
