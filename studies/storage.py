@@ -81,7 +81,7 @@ def open_storage(url: str, *, read_only: bool = False, heartbeat_s: int = HEARTB
         url = "postgresql+psycopg2://" + url[len("postgresql://"):]  # the driver requirements.txt installs
     for attempt in range(SCHEMA_RACE_RETRIES):
         try:
-            with contextlib.nullcontext() if read_only else _sqlite_schema_lock(url):
+            with contextlib.nullcontext() if read_only else _sqlite_lock(url):
                 return _rdb_storage(url, scheme, read_only, heartbeat_s, grace_s)
         except UserError:
             raise
@@ -99,8 +99,9 @@ def open_storage(url: str, *, read_only: bool = False, heartbeat_s: int = HEARTB
 
 
 @contextlib.contextmanager
-def _sqlite_schema_lock(url: str):
-    """Workers opening one new SQLite file take turns, so only one of them creates Optuna's schema."""
+def _sqlite_lock(url: str):
+    """Workers of one SQLite file take turns (a lock file beside it): only one creates Optuna's schema, only one
+    re-queues a stale trial. A no-op for other storages, whose databases lock rows themselves."""
     path = url.split(":///", 1)[1] if url.startswith("sqlite:///") else ""
     if not path or path.startswith(":memory:") or not Path(path).parent.is_dir():
         yield
@@ -111,6 +112,20 @@ def _sqlite_schema_lock(url: str):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class RequeueOnce(RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry callback (one retry) that re-queues a failed trial at most once: SQLite has no row locks, so
+    two workers can both fail the same stale trial; under the lock only the first finds no copy and adds one."""
+
+    def __init__(self, url: str):
+        super().__init__(max_retry=1)
+        self.url = url
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        with _sqlite_lock(self.url):
+            if not any(t.system_attrs.get("failed_trial") == trial.number for t in study.get_trials(deepcopy=False)):
+                super().__call__(study, trial)
 
 
 def _rdb_storage(url: str, scheme: str, read_only: bool, heartbeat_s: int, grace_s: int) -> RDBStorage:
@@ -127,7 +142,7 @@ def _rdb_storage(url: str, scheme: str, read_only: bool, heartbeat_s: int, grace
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s,
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+                          heartbeat_stale_trial_callback=RequeueOnce(url),
                           engine_kwargs=engine_kwargs or None, skip_table_creation=read_only)
 
 
@@ -152,7 +167,7 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         fail_stale_trials(study)
-        requeue = RetryHeartbeatStaleTrialCallback(max_retry=1)
+        requeue = RequeueOnce(_url_of(study._storage))
     host, failed = socket.gethostname(), []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = trial.user_attrs.get(WORKER_ATTR) or {}
@@ -167,6 +182,11 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
         failed.append(trial.number)
         requeue(study, study._storage.get_trial(trial._trial_id))
     return failed
+
+
+def _url_of(storage) -> str:
+    """The database URL of an RDB storage (also behind Optuna's cache wrapper); "" for other storages."""
+    return getattr(storage, "url", None) or getattr(getattr(storage, "_backend", None), "url", "") or ""
 
 
 def in_flight(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -555,3 +555,21 @@ def test_joining_worker_must_measure_the_same_way(tmp_path, tiny_llama_dir):
         run_search(settings(tmp_path, space, n_trials=3, floor="0.9"), ToyEvaluator())
     outcome = run_search(settings(tmp_path, None, n_trials=3, create=False, resume=True), ToyEvaluator())
     assert len(finished_trials(outcome.study)) == 3 and outcome.ran == 1  # resumed with the stored space
+
+
+def test_a_stale_trial_failed_by_two_workers_is_requeued_once(tmp_path):
+    """SQLite has no row locks: two workers can both fail the same stale trial and both call the retry callback.
+    ``RequeueOnce`` adds one copy; Optuna's own callback (the negative control) adds two."""
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+    from studies.storage import RequeueOnce, open_storage
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    for callback, copies in ((RequeueOnce(url), 1), (RetryHeartbeatStaleTrialCallback(max_retry=1), 2)):
+        study = optuna.create_study(storage=open_storage(url))
+        trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+        study.tell(trial, state=TrialState.FAIL)
+        frozen = study.trials[0]
+        for _worker in range(2):
+            callback(study, frozen)
+        assert sum(t.system_attrs.get("failed_trial") == 0 for t in study.trials) == copies
