@@ -117,7 +117,8 @@ if __name__ == "__main__":
         for head_weights in args.heads.split(","):
             check_proposer_spec(head_spec(args.head_dir, head_weights), args.model)
     except UserError as exc:
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     texts = spec_bench_prompts(args.per_category, args.data_dir, tasks)
     head = head_provenance(args.head_dir)
     first, conditions = None, []
