@@ -488,10 +488,14 @@ def start_workers(tmp_path, search, url, n_workers, *extra, env=None, victim_env
             for i in range(n_workers)]
 
 
-def wait_ok(workers, timeout_s: float = 240) -> None:
+def wait_ok(workers, timeout_s: float = 240) -> list[str]:
+    """Wait for every worker to exit 0; their stderr texts (Optuna logs each failed trial's reason there)."""
+    errs = []
     for w in workers:
         out, err = w.communicate(timeout=timeout_s)
         assert w.returncode == 0, err
+        errs.append(err)
+    return errs
 
 
 @pytest.mark.parametrize("kind", STORAGES)
@@ -500,13 +504,15 @@ def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
     log = tmp_path / "measured.jsonl"
     workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12",
                             env={"TOY_DELAY_S": "0.3", "TOY_QUALITY_DELAY_S": "0.5", "TOY_LOG": str(log)})
-    wait_ok(workers)
+    failures = [line for err in wait_ok(workers) for line in err.splitlines() if "failed" in line]
     trials = list(whole_study(url, 12).values())  # exactly 12 finished, no gaps, no duplicates, nothing RUNNING
     assert len({t.user_attrs["worker"]["pid"] for t in trials}) == 3  # every worker ran trials
     surplus = [t for t in trials if "surplus" in t.user_attrs]
     assert all(t.state == TrialState.FAIL and "config" not in t.user_attrs for t in surplus)  # never measured
     fresh = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
-    assert measurements(log, "speed") == sorted(t.user_attrs["label"] for t in fresh)  # each measured exactly once
+    assert measurements(log, "speed") == sorted(t.user_attrs["label"] for t in fresh), [  # each measured exactly once
+        (t.number, t.state.name, t.user_attrs.get("label"), t.user_attrs.get("duplicate_of"), t.user_attrs.get("error"),
+         t.user_attrs.get("pruned_reason"), t.user_attrs.get("surplus")) for t in trials] + failures
     stored = sorted(k.split("/", 1)[1] for k in load(url).user_attrs if k.startswith("quality/"))
     assert measurements(log, "quality") == stored  # each transformation's quality measured once, shared
 
