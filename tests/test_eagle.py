@@ -139,8 +139,8 @@ def test_int8_head(trained, tiny):
     assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
     int8, bf16 = (acceptance(tiny, f"eagle:{out}{w}", PROMPTS[:2]) for w in (",weights=w8ch-sym", ""))
     assert abs(int8 - bf16) < 0.1, (int8, bf16)
-    for spec, needle in ((f"eagle:{out},bits=8", "unknown option"), (f"eagle:{out},weights=W8A8", "weight-only"),
-                         (f"eagle:{out},weights=w9", "unknown scheme")):
+    for spec, needle in ((f"eagle:{out},bits=8", "bad parameter 'bits=8'; use weights="),
+                         (f"eagle:{out},weights=W8A8", "weight-only"), (f"eagle:{out},weights=w9", "unknown scheme")):
         with pytest.raises(UserError, match=needle):
             SpeculativeDecoder(tiny, spec, 2)
 

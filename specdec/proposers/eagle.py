@@ -18,7 +18,7 @@ from runtime.errors import UserError
 from runtime.loading import read_config
 from runtime.model_store import resolve_model
 from specdec.eagle_head import load_head, quantize_head
-from specdec.proposers.base import Proposal, Proposer, draw, register_proposer
+from specdec.proposers.base import Proposal, Proposer, draw, parse_params, register_proposer
 
 
 @register_proposer("eagle")
@@ -34,13 +34,10 @@ class EagleProposer(Proposer):
     @staticmethod
     def _load(arg: str, target_config: dict, dtype: torch.dtype):
         """``PATH[,weights=SCHEME]``: the head, its linears quantized when a weight scheme is given."""
-        path, *items = [x.strip() for x in arg.split(",")]
-        options = dict(item.partition("=")[::2] for item in items)
+        path, _, rest = (x.strip() for x in arg.partition(","))
         if not path:
             raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
-        if set(options) - {"weights"}:
-            raise UserError(f"eagle:{arg}: unknown option(s) {sorted(set(options) - {'weights'})}; "
-                            "use eagle:PATH or eagle:PATH,weights=w8ch-sym")
+        options = parse_params(rest, {"weights": str}, f"eagle:{path}")
         head, d2t, cfg = load_head(path, target_config, dtype)
         if options.get("weights", "none") != "none":
             quantize_head(head, options["weights"])
