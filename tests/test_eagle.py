@@ -107,6 +107,27 @@ def test_training_writes_vllm_eagle_layout(trained, tiny):
     assert result.epochs[-1]["reg"] < result.epochs[0]["reg"]
 
 
+def test_vllm_speculative_config_for_a_head(trained, tiny, tmp_path):
+    """eagle:PATH maps to vLLM's EAGLE-1 method on the saved folder; what that loader can't read is refused."""
+    from evals.backends.base import ServingConfig
+    from evals.backends.vllm_engine import speculative_config
+
+    out, _ = trained
+
+    def vllm(spec):
+        return speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=spec, k=3, max_model_len=256))
+
+    assert vllm(f"eagle:{out}") == {"method": "eagle", "model": str(out.resolve()), "num_speculative_tokens": 3}
+    reduced = tmp_path / "reduced"
+    reduced.mkdir()
+    cfg = json.loads((out / "config.json").read_text())
+    (reduced / "config.json").write_text(json.dumps(cfg | {"draft_vocab_size": cfg["vocab_size"] // 2}))
+    for spec, needle in ((f"eagle:{out},weights=w8ch-sym", "quantized head"), (f"eagle:{reduced}", "EAGLE-3"),
+                         (f"eagle:{tmp_path}", "no config.json")):
+        with pytest.raises(UserError, match=needle):
+            vllm(spec)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_token_identical(trained, tiny, k):
     out, _ = trained

@@ -12,6 +12,7 @@ outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over th
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from evals.backends.base import (Backend, EngineFailure, Progress, Request, Requ
                                  SpecCounters, check_fits, now, register_backend)
 from evals.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
+from specdec.proposers.eagle import parse_eagle
 from specdec.proposers.ngram import NgramProposer
 from runtime.model_store import resolve_model, weights_hash
 from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
@@ -67,8 +69,27 @@ def speculative_config(config: "Config | ServingConfig") -> dict | None:
                 "prompt_lookup_min": ngram.min_n}
     if spec.name == "draft" and "@" not in spec.arg:
         return {"method": "draft_model", "model": str(resolve_model(spec.arg)), "num_speculative_tokens": point.k}
-    raise UserError(f"vLLM cannot run proposer {spec.label!r} here: it runs ngram[:min=..,max=..] and "
-                    "draft:PATH (unquantized); use --backend native")
+    if spec.name == "eagle":
+        return {"method": "eagle", "model": vllm_eagle_head(spec.arg), "num_speculative_tokens": point.k}
+    raise UserError(f"vLLM cannot run proposer {spec.label!r} here: it runs ngram[:min=..,max=..], "
+                    "draft:PATH (unquantized) and eagle:PATH; use --backend native")
+
+
+def vllm_eagle_head(arg: str) -> str:
+    """The head folder of ``eagle:PATH`` for vLLM's EAGLE-1 loader (``llama_eagle.py``: our saved layout); a head
+    it cannot load as saved is refused in one line."""
+    path, options = parse_eagle(arg)
+    if options.get("weights", "none") != "none":
+        raise UserError(f"eagle:{arg}: vLLM loads the head as saved; a quantized head (weights=) runs with "
+                        f"--backend native, or serve eagle:{path}")
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise UserError(f"eagle:{path}: no config.json there; train a head with quantspec train-draft")
+    cfg = json.loads(config.read_text())
+    if cfg.get("draft_vocab_size", cfg.get("vocab_size")) != cfg.get("vocab_size"):
+        raise UserError(f"eagle:{path}: a reduced draft vocabulary (d2t) is EAGLE-3's, which vLLM's EAGLE-1 loader "
+                        "does not read; train without --draft-vocab for vLLM, or use --backend native")
+    return str(Path(path).resolve())
 
 
 def engine_kwargs(config: ServingConfig) -> dict:

@@ -21,6 +21,14 @@ from specdec.eagle_head import load_head, quantize_head
 from specdec.proposers.base import Proposal, Proposer, draw, parse_params, register_proposer
 
 
+def parse_eagle(arg: str) -> tuple[str, dict]:
+    """``PATH[,weights=SCHEME]`` -> (PATH, options)."""
+    path, _, rest = (x.strip() for x in arg.partition(","))
+    if not path:
+        raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
+    return path, parse_params(rest, {"weights": str}, f"eagle:{path}")
+
+
 @register_proposer("eagle")
 class EagleProposer(Proposer):
     def __init__(self, target, head, d2t: torch.Tensor | None, label: str):
@@ -34,10 +42,7 @@ class EagleProposer(Proposer):
     @staticmethod
     def _load(arg: str, target_config: dict, dtype: torch.dtype):
         """``PATH[,weights=SCHEME]``: the head, its linears quantized when a weight scheme is given."""
-        path, _, rest = (x.strip() for x in arg.partition(","))
-        if not path:
-            raise UserError("eagle needs a head directory: eagle:PATH (train one with quantspec train-draft)")
-        options = parse_params(rest, {"weights": str}, f"eagle:{path}")
+        path, options = parse_eagle(arg)
         head, d2t, cfg = load_head(path, target_config, dtype)
         if options.get("weights", "none") != "none":
             quantize_head(head, options["weights"])
