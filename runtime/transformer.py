@@ -193,13 +193,14 @@ class Transformer(nn.Module):
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``
         lets quant/ plug in quantized caches."""
         factory = cache_factory or KVCache
-        dtype = self.embed_tokens.weight.dtype
-        for layer in self.layers:
-            layer.self_attn.kv_cache = factory(batch, max_len, self.args.n_kv_heads, self.args.head_dim, dtype)
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        with device:  # every cache (a quantized one included) allocates on the model's device
+            for layer in self.layers:
+                layer.self_attn.kv_cache = factory(batch, max_len, self.args.n_kv_heads, self.args.head_dim, dtype)
         self.max_len, self.batch = max_len, batch
         cos, sin = rope_tables(self.args, max_len)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
                 return_hidden: bool = False, pad: torch.Tensor | None = None):
