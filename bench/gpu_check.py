@@ -81,7 +81,7 @@ class Plan:
 
 FULL = Plan(
     decode={"smollm2-135m": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",), "w4g32-sym": ("eager",)},
-            "llama-3.2-1b": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager", "compiled"),
+            "llama-3.2-1b": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",),
                              "w4g32-sym": ("eager", "compiled")}},
     new_tokens=128, repeats=3, prompt_len=64, spec_shape="smollm2-135m",
     spec_proposers=("ngram:min=1,max=3", "selfquant:w4g32-sym"), spec_ks=(2, 4, 8), bandwidth_gib=2.0,
@@ -112,7 +112,7 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, attention
     state = {n: torch.ones(s, device=device) if "norm" in n else
              torch.randn(s, generator=gen, device=device) * 0.02 for n, s in shapes.items()}
     model = build_model(config, state, dtype, attention=attention, device=device, source=f"random {shape}")
-    return LoadedModel(model, _NoTokenizer(), Path(tempfile.gettempdir()), config, dtype)
+    return LoadedModel(model, _NoTokenizer(), Path(tempfile.gettempdir()) / f"random-{shape}", config, dtype)
 
 
 def prompt(shape: str, length: int, seed: int = 0) -> list[int]:
@@ -208,7 +208,8 @@ def stage_decode(ctx: Context, out: dict) -> None:
                     rows.append({**row, "status": "failed", "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 eager_tokens = speed.tokens if engine == "eager" else eager_tokens
-                rows.append({**row, "status": "ok", "decode_tok_s": round(speed.decode_tok_s, 1),
+                rows.append({**row, "status": "ok", "compile_fallback": speed.fallback,
+                             "decode_tok_s": round(speed.decode_tok_s, 1),
                              "roofline_pct": round(speed.roofline_pct, 1), "prefill_ms": round(speed.prefill_ms, 2),
                              "bytes_per_token": decode_bytes_per_token(lm.model),
                              "tokens_equal_to_eager": None if eager_tokens is None else speed.tokens == eager_tokens})

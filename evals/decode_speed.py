@@ -27,6 +27,7 @@ class DecodeSpeed:
     prefill_ms: float
     roofline_pct: float
     tokens: list[int]
+    fallback: str | None = None  # why a compiled step ran eager instead
 
 
 def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int,
@@ -39,7 +40,7 @@ def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repea
     tok_s = statistics.median(r.decode_tokens_per_s for r in runs)
     roof = bandwidth / decode_bytes_per_token(lm.model)
     return DecodeSpeed(label, new_tokens, tok_s, statistics.median(r.prefill_s for r in runs) * 1e3,
-                       100 * tok_s / roof, runs[0].tokens)
+                       100 * tok_s / roof, runs[0].tokens, decoder.step.fallback if decoder.step else None)
 
 
 def hf_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int, bandwidth: float) -> DecodeSpeed:
