@@ -104,13 +104,21 @@ class _NoTokenizer:
 
 def random_model(shape: str, dtype: torch.dtype, device: torch.device, attention: str = "sdpa",
                  seed: int = 0) -> LoadedModel:
-    """The native model of ``SHAPES[shape]`` with seeded N(0, 0.02) weights (norms 1), built on ``device``."""
+    """The native model of ``SHAPES[shape]`` with seeded random weights, built on ``device``: embeddings N(0, 1),
+    matrices N(0, 4 / fan_in), norms 1 (HF's N(0, 0.02) makes a tied model repeat one token forever, which would
+    make every exactness check trivial)."""
     config = SHAPES[shape]
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in Transformer(ModelArgs.from_hf_config(config)).named_parameters()}
     gen = torch.Generator(device).manual_seed(seed)
-    state = {n: torch.ones(s, device=device) if "norm" in n else
-             torch.randn(s, generator=gen, device=device) * 0.02 for n, s in shapes.items()}
+
+    def init(name: str, size: torch.Size) -> torch.Tensor:
+        if "norm" in name:
+            return torch.ones(size, device=device)
+        std = 1.0 if "embed" in name or len(size) == 1 else 2 * size[-1] ** -0.5
+        return torch.randn(size, generator=gen, device=device) * std
+
+    state = {n: init(n, s) for n, s in shapes.items()}
     model = build_model(config, state, dtype, attention=attention, device=device, source=f"random {shape}")
     return LoadedModel(model, _NoTokenizer(), Path(tempfile.gettempdir()) / f"random-{shape}", config, dtype)
 

@@ -120,7 +120,9 @@ def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int
     path = resolve_model(name)
     config = read_config(path)
     if "quantization_config" in config:
-        model = checkpoint_loader(config)(path, config, torch_dtype, attn_implementation).to(device)
+        if device.type != "cpu":  # its kernels are picked and packed for the CPU while loading
+            raise UserError(f"{path}: quantized checkpoints load on the CPU only so far; use --device cpu")
+        model = checkpoint_loader(config)(path, config, torch_dtype, attn_implementation)
     else:
         model = build_model(config, load_state_dict(path), torch_dtype, attention=attn_implementation, device=device)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)
