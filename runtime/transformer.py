@@ -208,10 +208,10 @@ class Transformer(nn.Module):
         ``return_hidden``: (logits, the final-norm hidden states the LM head reads) — what EAGLE heads draft from;
         the logits are the same either way. ``pad`` [batch]: left padding, row b's first pad[b] cache slots hold
         no tokens; they are hidden from the row's queries and its RoPE positions start after them."""
-        if input_pos[-1] >= self.max_len:
-            raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
+        last = int(input_pos[-1]) + 1  # keys up to the last new token (one read of the position, on any device)
+        if last > self.max_len:
+            raise ValueError(f"position {last - 1} exceeds the KV cache length {self.max_len}")
         align = KEY_ALIGN.get(self.attn_implementation, 1)
-        last = int(input_pos[-1]) + 1  # keys up to the last new token
         length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
         mask = None

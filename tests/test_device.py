@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from evals.config import Config
+from evals.record import hardware_info
+from evals.roofline import measure_bandwidth
 from quant.kvcache import make_cache_factory
 from quant.qlinear import select_kernel
 from quant.quantize import quantize_model
@@ -52,6 +54,7 @@ def test_load_model_on_cpu(tiny_llama_dir, one_thread):
     assert lm.device == torch.device("cpu")
     decoder = Decoder(lm, max_len=32)
     assert decoder.model.layers[0].self_attn.kv_cache.k.device == lm.device
+    assert "cuda" not in hardware_info(lm.model)  # GPU fields only when the run used CUDA
 
 
 def test_kernels_picked_per_device():
@@ -109,9 +112,6 @@ def test_cuda_quantized_weights_and_kv(tiny_llama_dir):
 
 @pytest.mark.cuda
 def test_cuda_record_and_bandwidth(tiny_llama_dir):
-    from evals.record import hardware_info
-    from evals.roofline import measure_bandwidth
-
     lm = load_model(tiny_llama_dir, "bf16", device="cuda")
     _greedy(lm, 4)
     info = hardware_info(lm.model)["cuda"]
