@@ -1,7 +1,8 @@
 """Native greedy decode vs HF generate on the default model: tok/s, ratio, % of memory roofline.
 
-Usage: python bench/decode.py [--dtype fp32|bf16] [--new-tokens 128] [--repeats 3]
-Writes bench/results/decode-<dtype>.<machine tag>.json (a full run record; one file per CPU kind).
+Usage: python bench/decode.py [--dtype fp32|bf16] [--device auto|cpu|cuda] [--new-tokens 128] [--repeats 3]
+Writes bench/results/decode-<dtype>.<machine tag>.json (a full run record; one file per CPU kind; -cuda beside
+the tag when it ran on a GPU).
 
 With --compile: the eager step vs the compiled one-token step (runtime/compiled.py) per dtype (fp32, bf16) and
 compile mode, same prompt and length, runs interleaved; compile time (first calls) apart from steady-state tok/s.
@@ -24,7 +25,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from runtime.compiled import MODES
 from runtime.generate import Decoder, encode_prompt
-from runtime.hardware import probe
+from runtime.hardware import probe, resolve_device
 from runtime.loading import load_model, set_threads
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quantspec.report import print_decode_comparison
@@ -116,6 +117,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when torch sees a GPU); "
+                                                        "the native-vs-HF comparison only")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="eager vs compiled step, fp32 and bf16")
@@ -128,8 +131,9 @@ if __name__ == "__main__":
         print_compiled(record)
         name = f"decode_compiled.{probe().tag}.t{torch.get_num_threads()}.json"
     else:
-        record = compare_decode(args.model, args.dtype, args.new_tokens, args.repeats)
+        device = resolve_device(args.device)
+        record = compare_decode(args.model, args.dtype, args.new_tokens, args.repeats, device=device)
         print_decode_comparison(record)
-        name = f"decode-{args.dtype}.{probe().tag}.json"
+        name = f"decode-{args.dtype}.{probe().tag}{'-cuda' if device.type == 'cuda' else ''}.json"
     out = record.write(Path(__file__).parent / "results" / name)
     print(f"wrote {out}")

@@ -36,9 +36,9 @@ class Built:
 def build_native(config: Config, threads: int | None = None, progress: bool = False) -> Built:
     """Load ``config.model`` in ``config.dtype``, quantize it as ``config`` says, make its KV cache factory."""
     if config.attention is None:
-        lm = load_model(config.model, config.dtype, threads)
+        lm = load_model(config.model, config.dtype, threads, device=config.device)
     else:
-        lm = load_model(config.model, config.dtype, threads, config.attention)
+        lm = load_model(config.model, config.dtype, threads, config.attention, config.device)
     report = quantize(lm, config, progress)
     return Built(lm, kv_cache_factory(lm, config), report)
 
@@ -60,7 +60,7 @@ def kv_cache_factory(lm: LoadedModel, config: Config):
     scales = None
     if config.needs_kv_calibration:
         batches = calibration_batches(config.calib or CalibConfig(samples=8), lm)
-        scales = calibrate_kv_scales(lm.model, [torch.tensor([b]) for b in batches], config.kv_spec)
+        scales = calibrate_kv_scales(lm.model, [torch.tensor([b], device=lm.device) for b in batches], config.kv_spec)
     return make_cache_factory(config.kv_spec, scales)
 
 

@@ -10,6 +10,7 @@ import torch
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import decode_bytes_per_token, measure_bandwidth
+from runtime.hardware import sync
 from runtime.loading import LoadedModel, load_model
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from runtime.generate import Decoder, encode_prompt
@@ -26,30 +27,42 @@ class DecodeSpeed:
     prefill_ms: float
     roofline_pct: float
     tokens: list[int]
+    fallback: str | None = None  # why a compiled step ran eager instead
 
 
 def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int,
-                  bandwidth: float, label: str = "native") -> DecodeSpeed:
-    decoder = Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8)
+                  bandwidth: float, label: str = "native", compile_mode: str | None = None) -> DecodeSpeed:
+    """Native greedy decode speed; ``compile_mode``: through the compiled one-token step (compiled in the
+    warm-up)."""
+    decoder = Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8, compile_mode=compile_mode)
     decoder.generate(prompt_ids, 8, ignore_eos=True)  # warm-up, excluded
     runs = [decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True) for _ in range(repeats)]
     tok_s = statistics.median(r.decode_tokens_per_s for r in runs)
     roof = bandwidth / decode_bytes_per_token(lm.model)
     return DecodeSpeed(label, new_tokens, tok_s, statistics.median(r.prefill_s for r in runs) * 1e3,
-                       100 * tok_s / roof, runs[0].tokens)
+                       100 * tok_s / roof, runs[0].tokens, decoder.step.fallback if decoder.step else None)
 
 
-@torch.inference_mode()
 def hf_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int, bandwidth: float) -> DecodeSpeed:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).eval()
-    ids = torch.tensor([prompt_ids])
-    kwargs = dict(do_sample=False, pad_token_id=lm.tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
+    hf = AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).to(lm.device).eval()
+    return hf_model_decode(hf, prompt_ids, new_tokens, repeats, bandwidth, lm.tokenizer.eos_token_id)
+
+
+@torch.inference_mode()
+def hf_model_decode(hf, prompt_ids: list[int], new_tokens: int, repeats: int, bandwidth: float,
+                    pad_token_id: int | None = None) -> DecodeSpeed:
+    """HF ``generate`` decode speed of a loaded HF model, on the model's device (synchronized at the edges)."""
+    device = hf.device
+    ids = torch.tensor([prompt_ids], device=device)
+    kwargs = dict(do_sample=False, pad_token_id=pad_token_id, attention_mask=torch.ones_like(ids))
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
+        sync(device)
         t = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
         return time.perf_counter() - t, out
 
     timed(8)  # warm-up, excluded
@@ -70,11 +83,12 @@ def _hf_bytes(hf) -> int:
 
 
 def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int = 128, repeats: int = 3,
-                   prompt: str = DEFAULT_PROMPT, threads: int | None = None, with_hf: bool = True) -> RunRecord:
-    """Native vs HF decode on one prompt; returns a run record with both speeds and their ratio."""
-    lm = load_model(model, dtype, threads)
+                   prompt: str = DEFAULT_PROMPT, threads: int | None = None, with_hf: bool = True,
+                   device: str = "cpu") -> RunRecord:
+    """Native vs HF decode on one prompt on ``device``; returns a run record with both speeds and their ratio."""
+    lm = load_model(model, dtype, threads, device=device)
     prompt_ids = encode_prompt(lm.tokenizer, prompt)
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(device=lm.device)
     rows = [native_decode(lm, prompt_ids, new_tokens, repeats, bandwidth)]
     if with_hf:
         rows.append(hf_decode(lm, prompt_ids, new_tokens, repeats, bandwidth))
@@ -94,7 +108,8 @@ def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int 
         hardware=hardware_info(lm.model),
         lengths=LengthDistribution(1, {"fixed": len(prompt_ids)}, {"fixed": new_tokens}, f"one chat prompt: {prompt!r}", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native vs hf-generate", {"dtype": lm.precision, "threads": torch.get_num_threads()},
+        engine=EngineCondition("native vs hf-generate", {"dtype": lm.precision, "device": str(lm.device),
+                                                         "threads": torch.get_num_threads()},
                                warmup="one 8-token generation per engine, excluded",
                                cache_warmth="KV cache reset per request; weights resident in RAM"),
         metric=MetricCondition(

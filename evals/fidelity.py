@@ -52,7 +52,8 @@ def token_fidelity(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> Fidel
 @torch.inference_mode()
 def _window_logits(lm, tokens: torch.Tensor, cache_factory) -> torch.Tensor:
     lm.model.setup_cache(1, tokens.numel(), cache_factory)
-    return lm.model(tokens[None], torch.arange(tokens.numel()))[0]
+    tokens = tokens.to(lm.device)
+    return lm.model(tokens[None], torch.arange(tokens.numel(), device=lm.device))[0].cpu()
 
 
 def _leading_tokens(tokenizer, text: str, need: int) -> list[int]:

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from runtime.hardware import kernels_used, measured_speeds, probe
+from runtime.hardware import cuda_info, kernels_used, measured_speeds, probe
 
 LIBRARIES = ("torch", "transformers", "vllm", "lm_eval", "optuna", "compressed_tensors", "numpy")
 
@@ -87,11 +87,14 @@ class RunRecord:
         )
 
 
-def hardware_info(model=None) -> dict[str, Any]:
+def hardware_info(model=None, device=None) -> dict[str, Any]:
     """CPU model, what the hardware probe found (ISA, bf16/int8 matmul, fallbacks), cores, threads in use,
-    memory, GPU (if any), library versions, and with ``model`` the kernel each kind of linear layer ran."""
+    memory, GPU (if any), library versions, and with ``model`` the kernel each kind of linear layer ran. When the
+    run used CUDA (``device``, or where ``model`` lives): GPU name, CUDA and driver versions, peak memory."""
     import torch
 
+    if device is None and model is not None:
+        device = next(model.parameters()).device
     hw = probe()
     mem_gib = None
     try:
@@ -109,6 +112,7 @@ def hardware_info(model=None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "memory_gib": mem_gib,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        **({"cuda": cuda_info(device)} if device is not None and torch.device(device).type == "cuda" else {}),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "libraries": library_versions(),

@@ -6,19 +6,29 @@ import time
 
 import torch
 
+from runtime.hardware import sync
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: median of ``repeats`` full reductions over a buffer far larger than cache,
-    with all torch threads (the same threads decoding uses)."""
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Memory bandwidth in bytes/s, median of ``repeats``: on CPU read bandwidth (full reductions over a buffer far
+    larger than cache, with all torch threads, the same threads decoding uses); on CUDA a big tensor copy (bytes
+    read + written), synchronized at the edges."""
     n = int(gib * 2**30 / 4)
-    x = torch.ones(n, dtype=torch.float32)
-    x.sum()  # fault pages in
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    if x.device.type == "cuda":
+        y = torch.empty_like(x)
+        run, moved = (lambda: y.copy_(x)), 2 * n * 4
+    else:
+        run, moved = x.sum, n * 4
+    run()  # fault pages in / warm up
     times = []
     for _ in range(repeats):
+        sync(x.device)
         t = time.perf_counter()
-        x.sum()
+        run()
+        sync(x.device)
         times.append(time.perf_counter() - t)
-    return n * 4 / statistics.median(times)
+    return moved / statistics.median(times)
 
 
 def decode_bytes_per_token(model: torch.nn.Module) -> int:

@@ -97,20 +97,20 @@ def self_generated_batches(cfg: CalibConfig, lm, batch: int = 16) -> list[list[i
     """Sample continuations of seed prompts from the model itself, ``batch`` sequences per forward."""
     model, tok = lm.model, lm.tokenizer
     sampling = SamplingConfig(temperature=1.0, seed=cfg.seed)
-    gen = sampling.generator()
+    gen = sampling.generator(lm.device)
     eos = sorted(eos_token_ids(lm))
     prompts = [encode_prompt(tok, p) for p in SELF_PROMPTS]
     out: list[list[int]] = []
     chunks = [(i, min(batch, cfg.samples - i)) for i in range(0, cfg.samples, batch)]
     for start, n in track(chunks, description="sampling calibration text", transient=True):
         prompt = prompts[(start // batch) % len(prompts)][: cfg.seqlen - 1]
-        seqs = torch.tensor([prompt] * n)
+        seqs = torch.tensor([prompt] * n, device=lm.device)
         model.setup_cache(n, cfg.seqlen)
-        logits = model(seqs, torch.arange(len(prompt)))[:, -1]
+        logits = model(seqs, torch.arange(len(prompt), device=lm.device))[:, -1]
         while seqs.shape[1] < cfg.seqlen:
             logits[:, eos] = float("-inf")
             nxt = sample_from(logits_to_probs(logits, sampling), gen)
-            logits = model(nxt[:, None], torch.tensor([seqs.shape[1]]))[:, -1]
+            logits = model(nxt[:, None], torch.tensor([seqs.shape[1]], device=lm.device))[:, -1]
             seqs = torch.cat([seqs, nxt[:, None]], 1)
         out.extend(seqs.tolist())
     return out

@@ -286,7 +286,7 @@ class KVStore:
         if self.spec.fmt == "none":
             return self.codes[:, :, :n]
         if n == 0:
-            return torch.zeros(*self.codes.shape[:2], 0, self.head_dim, dtype=self.dtype)
+            return torch.zeros(*self.codes.shape[:2], 0, self.head_dim, dtype=self.dtype, device=self.codes.device)
         codes = self.codes[:, :, :n]
         if self.spec.fmt in INT_BITS:
             codes = unpack(codes, self.spec.bits)
@@ -436,7 +436,7 @@ def calibrate_kv_scales(model, batches: list[torch.Tensor], spec: KVQuantSpec, o
     factory.calls = 0
     for tokens in batches:
         model.setup_cache(tokens.shape[0], tokens.shape[1], factory)
-        model(tokens, torch.arange(tokens.shape[1]))
+        model(tokens, torch.arange(tokens.shape[1], device=tokens.device))
     h, d = model.args.n_kv_heads, model.args.head_dim
     return KVScales([tuple(None if o is None else _static_scale(o, p, h, d, f"layer {i} {name} scale")
                            for o, p, name in zip(obs, parts, "KV")) for i, obs in enumerate(observers)])

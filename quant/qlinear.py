@@ -54,6 +54,7 @@ class Kernel(nn.Module):
     simulated: bool = False
     priority: int = 0  # higher wins when several kernels support a format
     scale_bytes: int = 4  # bytes per exported scale (fp32 unless the kernel keeps bf16 scales)
+    devices: tuple[str, ...] = ("cpu", "cuda")  # device types its ops run on
 
     @classmethod
     def supports(cls, spec: WeightSpec, act: ActSpec | None, out_features: int, in_features: int) -> bool:
@@ -77,14 +78,15 @@ def register_kernel(cls: type[Kernel]) -> type[Kernel]:
 
 
 def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
-                  kernel: str | None = None) -> type[Kernel]:
-    """The named kernel (checked), or the highest-priority kernel that supports this format and shape."""
+                  kernel: str | None = None, device: str = "cpu") -> type[Kernel]:
+    """The named kernel (checked), or the highest-priority kernel that supports this format and shape on this
+    device type."""
     if kernel is not None:
-        if not KERNELS.get(kernel).supports(spec, act, *shape):
+        if not KERNELS.get(kernel).supports(spec, act, *shape) or device not in KERNELS[kernel].devices:
             raise UserError(f"kernel {kernel!r} cannot run {spec.label}{'_' + act.label if act else ''} "
-                            f"at shape {list(shape)}")
+                            f"at shape {list(shape)} on {device}")
         return KERNELS[kernel]
-    candidates = [k for k in KERNELS.values() if k.supports(spec, act, *shape)]
+    candidates = [k for k in KERNELS.values() if device in k.devices and k.supports(spec, act, *shape)]
     return max(candidates, key=lambda k: k.priority)
 
 
@@ -92,7 +94,7 @@ def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
 class Int8PackKernel(Kernel):
     """Symmetric per-channel int8 weights, bf16 scales [N]: ``y = (x @ q.T) * s``."""
 
-    name, priority, scale_bytes = "int8pack", 10, 2
+    name, priority, scale_bytes, devices = "int8pack", 10, 2, ("cpu",)
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -121,7 +123,7 @@ class Int4PackKernel(Kernel):
     ``scales_and_zeros`` [n_groups, N, 2] = (s, t). Our signed codes ``q`` in -8..7 mean ``w = (q - z) * s``, so
     ``u = q + 8`` and ``t = -z * s`` (rounded to bf16 once, like ``s``)."""
 
-    name, priority, scale_bytes = "int4pack", 10, 2
+    name, priority, scale_bytes, devices = "int4pack", 10, 2, ("cpu",)  # torch's CPU tinygemm layout
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -202,7 +204,8 @@ class QuantizedLinear(nn.Module):
         self.spec, self.act = spec, act
         self.in_features, self.out_features = in_features, q.shape[0]
         self.padded_in = q.shape[1]
-        self.kernel = select_kernel(spec, act, tuple(q.shape), kernel)(q, scale, zero, spec, act, dtype)
+        self.kernel = select_kernel(spec, act, tuple(q.shape), kernel, q.device.type)(q, scale, zero, spec, act,
+                                                                                     dtype)
         self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
         self._invariance: str | None = None
 

@@ -68,7 +68,7 @@ def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
 class Int8xInt8Kernel(Kernel):
     """Symmetric per-channel int8 weights with int8 activations (per-token dynamic or per-tensor static)."""
 
-    name, priority = "int8xint8", 20
+    name, priority, devices = "int8xint8", 20, ("cpu",)  # its product pick is a CPU micro-benchmark
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):

@@ -39,10 +39,11 @@ from studies.storage import storage_url
 
 
 def load(model: str | Path = "default", dtype: str = DEFAULT_DTYPE, threads: int | None = None,
-         attention: str = "sdpa") -> LoadedModel:
-    """Load ``model`` (``default``, a local HF or compressed-tensors dir, a hub id) for native decoding.
-    ``attention="eager"`` is batch-invariant in bf16 (what speculation and lossless checks use)."""
-    return load_model(model, dtype, threads, attention)
+         attention: str = "sdpa", device: str = "cpu") -> LoadedModel:
+    """Load ``model`` (``default``, a local HF or compressed-tensors dir, a hub id) for native decoding on
+    ``device`` (cpu, cuda, auto). ``attention="eager"`` is batch-invariant in bf16 (what speculation and lossless
+    checks use)."""
+    return load_model(model, dtype, threads, attention, device)
 
 
 def search(settings: SearchSettings, evaluator, on_trial=None) -> SearchOutcome:

@@ -11,6 +11,7 @@ import torch
 
 from runtime.compiled import CompiledStep
 from runtime.errors import UserError
+from runtime.hardware import sync
 from runtime.loading import LoadedModel
 from runtime.sampling import SamplingConfig, next_token
 
@@ -77,7 +78,7 @@ class Decoder:
         ``pos`` after a rollback are stale and overwritten later, like the KV cache). Logits are unchanged."""
         if self.hidden is None:
             dtype = self.model.embed_tokens.weight.dtype
-            self.hidden = torch.zeros(self.max_len, self.model.args.dim, dtype=dtype)
+            self.hidden = torch.zeros(self.max_len, self.model.args.dim, dtype=dtype, device=self.lm.device)
 
     def reset(self) -> None:
         self.pos = 0
@@ -91,11 +92,12 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, tokens: list[int] | torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
         """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        device = self.lm.device
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(1, -1)
         n = ids.shape[1]
         if self.pos + n > self.max_len:
             raise UserError(f"sequence of {self.pos + n} tokens exceeds max length {self.max_len}; raise --max-len")
-        input_pos = torch.arange(self.pos, self.pos + n)
+        input_pos = torch.arange(self.pos, self.pos + n, device=device)
         if self.hidden is not None and n_layers is None:
             logits, hidden = self.model(ids, input_pos, return_hidden=True)
             self.hidden[self.pos : self.pos + n] = hidden[0]
@@ -111,8 +113,9 @@ class Decoder:
                  ignore_eos: bool = False) -> GenerationResult:
         if max_new_tokens < 1:
             raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
-        gen = sampling.generator()
+        gen = sampling.generator(self.lm.device)
         self.reset()
+        sync(self.lm.device)
         t0 = time.perf_counter()
         logits = self.forward(prompt_ids)[-1]
         token = int(next_token(logits, sampling, gen))
@@ -127,6 +130,7 @@ class Decoder:
             chunk_s.append(time.perf_counter() - t0)
         else:
             reason = "eos" if (token in self.eos_ids and not ignore_eos) else "length"
+        sync(self.lm.device)
         t2 = time.perf_counter()
         text = self.lm.tokenizer.decode(out, skip_special_tokens=True)
         return GenerationResult(list(prompt_ids), out, text, t1 - t0, t2 - t1, reason, chunk_s=chunk_s)
@@ -144,15 +148,16 @@ def greedy_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int)
     width = max(len(p) for p in prompts)
     if width + max_new_tokens > lm.model.args.max_seq_len:
         raise UserError(f"sequence of {width + max_new_tokens} tokens exceeds max length {lm.model.args.max_seq_len}")
-    pad = torch.tensor([width - len(p) for p in prompts])
-    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    device = lm.device
+    pad = torch.tensor([width - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
     stop = eos_token_ids(lm)
-    eos = torch.tensor(sorted(stop), dtype=torch.long)
+    eos = torch.tensor(sorted(stop), dtype=torch.long, device=device)
     lm.model.setup_cache(len(prompts), width + max_new_tokens)
-    token = lm.model(ids, torch.arange(width), pad=pad)[:, -1].argmax(-1)
+    token = lm.model(ids, torch.arange(width, device=device), pad=pad)[:, -1].argmax(-1)
     out, done = [token], torch.isin(token, eos)
     while len(out) < max_new_tokens and not bool(done.all()):
-        pos = torch.tensor([width + len(out) - 1])
+        pos = torch.tensor([width + len(out) - 1], device=device)
         token = lm.model(token[:, None], pos, pad=pad)[:, -1].argmax(-1)
         out.append(token)
         done |= torch.isin(token, eos)

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,6 +114,49 @@ def probe() -> Hardware:
         prepack = prepack or f"oneDNN bf16 prepacking needs AVX-512 ({OVERRIDE_ENV}=avx2)"
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return Hardware(cpu_model(), isa, forced, prepack, bf16, int8, cuda)
+
+
+# ---- device: where the model, its KV cache and every per-step tensor live ----
+
+DEVICES = ("cpu", "cuda")
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """``cpu``, ``cuda`` (``cuda:N``), or ``auto``/None: cuda when torch sees a GPU, else cpu. Asking for cuda
+    where there is none is a user error naming the alternative."""
+    name = str(name or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = name.split(":", 1)[0]
+    if kind not in DEVICES:
+        raise UserError(f"unknown device {name!r}: use one of cpu, cuda, auto")
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        raise UserError(f"device {name!r} is not available here ({why}); use --device cpu")
+    return torch.device(name)
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously): call at the edges of a timed region."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_info(device: torch.device | str = "cuda") -> dict:
+    """GPU name, CUDA and driver versions, memory and this process's peak allocation, for run records."""
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "cuda": torch.version.cuda, "driver": _nvidia_driver(),
+            "capability": f"{props.major}.{props.minor}", "memory_gib": round(props.total_memory / 2**30, 1),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 # ---- speed: which of several interchangeable implementations is fastest here, per shape class ----

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.errors import UserError
+from runtime.hardware import resolve_device
 from runtime.model_store import resolve_model
 from runtime.registry import Registry
 from runtime.transformer import ATTENTION, ModelArgs, Transformer
@@ -30,6 +31,10 @@ class LoadedModel:
     path: Path
     config: dict
     dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     @property
     def precision(self) -> str:
@@ -75,8 +80,9 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                placeholders: tuple[str, ...] = (), source: str = "checkpoint", attention: str = "sdpa") -> Transformer:
-    """Instantiate the native Transformer and load a dense HF state dict into it.
+                placeholders: tuple[str, ...] = (), source: str = "checkpoint", attention: str = "sdpa",
+                device: torch.device | str = "cpu") -> Transformer:
+    """Instantiate the native Transformer on ``device`` and load a dense HF state dict into it.
 
     Modules named in ``placeholders`` become ``nn.Identity`` (the caller puts quantized layers there)."""
     args = ModelArgs.from_hf_config(config)
@@ -84,7 +90,7 @@ def build_model(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype
         model = Transformer(args, attention)
     for name in placeholders:
         model.set_submodule(name, torch.nn.Identity())
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -103,16 +109,20 @@ def load_tokenizer(path: Path):
 
 
 def load_model(name: str | Path, dtype: str | torch.dtype = "fp32", threads: int | None = None,
-               attn_implementation: str = "sdpa") -> LoadedModel:
-    """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding. ``attn_implementation``
-    "eager" makes bf16 rows batch-invariant (token-exact greedy speculation); "sdpa" is faster on short histories."""
+               attn_implementation: str = "sdpa", device: str | torch.device | None = "cpu") -> LoadedModel:
+    """Resolve ``name`` (``default``, local dir, hub id) and load it for native decoding on ``device`` (cpu, cuda,
+    or ``auto``/None: cuda when there is one). ``attn_implementation`` "eager" makes bf16 rows batch-invariant
+    (token-exact greedy speculation); "sdpa" is faster on short histories."""
     ATTENTION.get(attn_implementation)  # an unknown name fails here, before anything loads
+    device = resolve_device(device)
     set_threads(threads)
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     path = resolve_model(name)
     config = read_config(path)
     if "quantization_config" in config:
+        if device.type != "cpu":  # its kernels are picked and packed for the CPU while loading
+            raise UserError(f"{path}: quantized checkpoints load on the CPU only so far; use --device cpu")
         model = checkpoint_loader(config)(path, config, torch_dtype, attn_implementation)
     else:
-        model = build_model(config, load_state_dict(path), torch_dtype, attention=attn_implementation)
+        model = build_model(config, load_state_dict(path), torch_dtype, attention=attn_implementation, device=device)
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), path=path, config=config, dtype=torch_dtype)

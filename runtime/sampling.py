@@ -29,8 +29,9 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
-        g = torch.Generator()
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A seeded generator on ``device`` (the one the logits are on: CUDA sampling needs a CUDA generator)."""
+        g = torch.Generator(device)
         g.manual_seed(self.seed if self.seed is not None else torch.seed())
         return g
 

@@ -193,13 +193,14 @@ class Transformer(nn.Module):
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``
         lets quant/ plug in quantized caches."""
         factory = cache_factory or KVCache
-        dtype = self.embed_tokens.weight.dtype
-        for layer in self.layers:
-            layer.self_attn.kv_cache = factory(batch, max_len, self.args.n_kv_heads, self.args.head_dim, dtype)
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        with device:  # every cache (a quantized one included) allocates on the model's device
+            for layer in self.layers:
+                layer.self_attn.kv_cache = factory(batch, max_len, self.args.n_kv_heads, self.args.head_dim, dtype)
         self.max_len, self.batch = max_len, batch
         cos, sin = rope_tables(self.args, max_len)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
                 return_hidden: bool = False, pad: torch.Tensor | None = None):
@@ -207,10 +208,10 @@ class Transformer(nn.Module):
         ``return_hidden``: (logits, the final-norm hidden states the LM head reads) — what EAGLE heads draft from;
         the logits are the same either way. ``pad`` [batch]: left padding, row b's first pad[b] cache slots hold
         no tokens; they are hidden from the row's queries and its RoPE positions start after them."""
-        if input_pos[-1] >= self.max_len:
-            raise ValueError(f"position {int(input_pos[-1])} exceeds the KV cache length {self.max_len}")
+        last = int(input_pos[-1]) + 1  # keys up to the last new token (one read of the position, on any device)
+        if last > self.max_len:
+            raise ValueError(f"position {last - 1} exceeds the KV cache length {self.max_len}")
         align = KEY_ALIGN.get(self.attn_implementation, 1)
-        last = int(input_pos[-1]) + 1  # keys up to the last new token
         length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
         seqlen = tokens.shape[1]
         mask = None

@@ -7,6 +7,7 @@ import time
 import torch
 
 from runtime.errors import UserError
+from runtime.hardware import sync
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
@@ -84,9 +85,11 @@ class SpeculativeDecoder:
         if len(prompt_ids) + max_new_tokens > self.decoder.max_len:
             raise UserError(f"prompt ({len(prompt_ids)}) + {max_new_tokens} new tokens exceed max length "
                             f"{self.decoder.max_len}; raise max_len")
-        generator = self.sampling.generator()
+        device = self.decoder.lm.device
+        generator = self.sampling.generator(device)
         eos = set() if ignore_eos else self.decoder.eos_ids
         stats = AcceptanceStats(self.k)
+        sync(device)
         t0 = time.perf_counter()
         out = [self.start(prompt_ids, generator)]
         t1 = time.perf_counter()
@@ -99,6 +102,7 @@ class SpeculativeDecoder:
                 if len(out) == max_new_tokens or token in eos:
                     break
             chunk_s.append(time.perf_counter() - t0)
+        sync(device)
         t2 = time.perf_counter()
         reason = "eos" if out[-1] in eos else "length"
         text = self.decoder.lm.tokenizer.decode(out, skip_special_tokens=True)

@@ -35,7 +35,7 @@ def verify_sampling(p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
     for i, token in enumerate(draft):
         p_x = float(p[i, token])
         q_x = 1.0 if q is None else float(q[i, token])
-        if float(torch.rand((), generator=generator)) * q_x < p_x:
+        if float(torch.rand((), generator=generator, device=p.device)) * q_x < p_x:
             continue
         if q is None:
             residual = p[i].clone()

@@ -155,6 +155,9 @@ VLLM_W8A8_AMX = pytest.mark.xfail(
 def pytest_runtest_setup(item):
     if item.get_closest_marker("data"):
         require_data_dir()
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch " + ("was built without CUDA" if torch.version.cuda is None
+                                                  else "sees no CUDA device"))
 
 
 @pytest.fixture()

@@ -16,3 +16,4 @@ ModelArgument = typer.Argument("default", metavar="MODEL", help="`default`, a lo
 SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 | draft:PATH\\[@SCHEME] | layerskip:L | "
                                               "selfquant:SCHEME | eagle:HEAD_DIR | a registered one.")
 DtypeOption = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"bf16 or fp32 (default {DEFAULT_DTYPE}, every command).")
+DeviceOption = typer.Option("auto", "--device", help="cpu, cuda, or auto (default: cuda when torch sees a GPU).")

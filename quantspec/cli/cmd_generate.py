@@ -11,7 +11,7 @@ from runtime.compiled import DEFAULT_MODE
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
-from quantspec.cli.app import DtypeOption, ModelArgument, app
+from quantspec.cli.app import DeviceOption, DtypeOption, ModelArgument, app
 from evals.decode_speed import compare_decode
 from quantspec.cli.cmd_search import demo_search
 
@@ -23,6 +23,7 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="User message (chat template applied for instruct models)."),
     model: str = ModelArgument,
     dtype: str = DtypeOption,
+    device: str = DeviceOption,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, help="0 = off."),
@@ -37,21 +38,22 @@ def generate(
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
     answer(prompt, model, dtype, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), threads,
-           chat=False if no_chat else None, attention=attention, compile_mode=DEFAULT_MODE if compile else None)
+           chat=False if no_chat else None, attention=attention, compile_mode=DEFAULT_MODE if compile else None,
+           device=device)
 
 
 def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), threads: int | None = None, chat: bool | None = None,
-           attention: str = "sdpa", compile_mode: str | None = None) -> None:
-    """Print the native runtime's answer, then one speed line naming the precision, attention, the decode step
-    (eager or compiled), the kernels that ran and this machine's ISA (with any fallback)."""
-    lm = quantspec.load(model, dtype, threads, attention)
+           attention: str = "sdpa", compile_mode: str | None = None, device: str = "cpu") -> None:
+    """Print the native runtime's answer, then one speed line naming the precision, attention, the device, the
+    decode step (eager or compiled), the kernels that ran and this machine's ISA (with any fallback)."""
+    lm = quantspec.load(model, dtype, threads, attention, device)
     ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
     decoder = Decoder(lm, max_len=len(ids) + max_new_tokens + 1, compile_mode=compile_mode)
     result = decoder.generate(ids, max_new_tokens, sampling)
     step = "eager step" if decoder.step is None or decoder.step.fallback else f"compiled step ({compile_mode})"
     console.print(result.text)
-    console.print(f"[dim]{result.summary()} | native {lm.precision}, {attention} attention, {step}, "
+    console.print(f"[dim]{result.summary()} | native {lm.precision} on {lm.device}, {attention} attention, {step}, "
                   f"{hardware_line(lm.model)}[/]")
 
 

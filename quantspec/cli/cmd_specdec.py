@@ -13,7 +13,7 @@ from runtime.data import load_prompts
 from runtime.sampling import SamplingConfig
 from specdec.lossless import ALPHA
 from specdec.sweep import parse_ks
-from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, SpecOption, app
+from quantspec.cli.app import DataDirOption, DeviceOption, DtypeOption, ModelArgument, SpecOption, app
 from quantspec.report import console, plot_sweep, print_sweep
 
 
@@ -36,6 +36,7 @@ def accept(
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(0),
     dtype: str = DtypeOption,
+    device: str = DeviceOption,
     threads: int = typer.Option(None),
     json_out: str = typer.Option(None, "--json", help="Write the RunRecord here."),
     plot: str = typer.Option(None, "--plot", help="Write a PNG of α and speedup vs K."),
@@ -45,7 +46,7 @@ def accept(
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     ks = parse_ks(k)
     texts = load_prompts(prompts, data_dir, limit)
-    lm = quantspec.load(model, dtype, threads, "eager")
+    lm = quantspec.load(model, dtype, threads, "eager", device)
     proposer = quantspec.build_proposer(spec, lm)
     with progress_bar() as bar:
         task = bar.add_task("plain", total=len(texts) * (len(ks) + 1))

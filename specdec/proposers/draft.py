@@ -75,7 +75,7 @@ class SeparateDraft(DraftModelProposer):
         if not arg:
             raise UserError("draft needs a model: draft:PATH or draft:PATH@w4g32-asym")
         path, _, scheme = arg.partition("@")
-        lm = load_model(path, target.dtype, attn_implementation=target.model.attn_implementation)
+        lm = load_model(path, target.dtype, attn_implementation=target.model.attn_implementation, device=target.device)
         check_same_vocab(target, lm)
         if scheme:
             lm = quantize_copy(lm, *split_scheme(scheme))

@@ -43,8 +43,9 @@ class LayerSkipProposer(AutoregressiveDraft):
 
     @torch.inference_mode()
     def forward(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long)
-        logits = self.model(ids, torch.arange(self.pos, self.pos + len(tokens)), n_layers=self.n_layers)
+        device = self.model.embed_tokens.weight.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        logits = self.model(ids, torch.arange(self.pos, self.pos + len(tokens), device=device), n_layers=self.n_layers)
         self.pos += len(tokens)
         return logits[0, -1]
 
