@@ -243,7 +243,7 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
             for k, v in enumerate((loss, reg, ce)):
                 sums[k] += float(v.detach())
             progress("train", steps, total_steps, f"epoch {epoch + 1} loss {float(loss.detach()):.4f}")
-            if cfg.train_seconds is not None and time.perf_counter() - t_train > cfg.train_seconds:
+            if cfg.train_seconds is not None and train_s + time.perf_counter() - t_train > cfg.train_seconds:
                 stop = True
                 break
         train_s += time.perf_counter() - t_train

@@ -107,6 +107,17 @@ def test_training_writes_vllm_eagle_layout(trained, tiny):
     assert result.epochs[-1]["reg"] < result.epochs[0]["reg"]
 
 
+def test_train_seconds_caps_the_whole_training_loop(tiny, data_dir, tmp_path):
+    """The cap counts training time over all epochs (a cap checked per epoch, as it once was, never stops a run
+    whose epochs are each shorter than it: all 400 epochs would run)."""
+    from dataclasses import replace
+
+    cap = 1.0
+    result = train_head(tiny, tmp_path, replace(FAST, n_prompts=4, n_wikitext=2, epochs=400, train_seconds=cap), data_dir)
+    assert len(result.epochs) < 400
+    assert result.train_s < cap + 0.5, result.train_s  # one step past the cap at most (a step is ~10 ms here)
+
+
 def test_vllm_speculative_config_for_a_head(trained, tiny, tmp_path):
     """eagle:PATH maps to vLLM's EAGLE-1 method on the saved folder; what that loader can't read is refused."""
     from evals.backends.base import ServingConfig
