@@ -1,0 +1,28 @@
+"""vLLM serves a head saved by quantspec: the folder loads as vLLM's ``method: eagle`` (EAGLE-1 layout), its greedy
+outputs equal vLLM's own without speculation, and its drafts are counted. One engine per configuration."""
+import pytest
+
+from evals.backends import open_backend
+from evals.backends.base import ServingConfig
+from evals.bench_api import run_benchmark
+from evals.loadgen import LoadSpec
+from runtime.loading import read_config
+from specdec.eagle_head import head_config, new_head, save_head
+
+pytestmark = pytest.mark.vllm
+
+
+def outputs(config: ServingConfig):
+    with open_backend(config) as backend:
+        res = run_benchmark(config, "short-short", LoadSpec.closed(1), backend=backend, num_prompts=2, output_len=16)
+    assert not res.failed and res.summary["n_failed"] == 0
+    return [r.token_ids for r in res.results], res
+
+
+def test_vllm_loads_a_quantspec_head_and_stays_greedy_exact(default_model_dir, tmp_path):
+    target = read_config(default_model_dir)
+    head = save_head(new_head(target), tmp_path / "head", head_config(target))  # fc = [0 | I]: drafts a real token
+    plain, _ = outputs(ServingConfig(backend="vllm", max_model_len=512))
+    spec, res = outputs(ServingConfig(backend="vllm", spec=f"eagle:{head}", k=3, max_model_len=512))
+    assert res.summary["spec"]["drafts"] > 0 and res.summary["spec"]["draft_tokens"] > 0
+    assert spec == plain
