@@ -183,11 +183,10 @@ def stage_cuda_tests(ctx: Context, out: dict) -> None:
 def build_format(shape: str, fmt: str, device: torch.device) -> tuple[LoadedModel, dict]:
     """bf16 model of ``shape`` with weights in ``fmt`` (RTN); what ran: kernels, simulated or not."""
     lm = random_model(shape, torch.bfloat16, device)
+    report = quantize_model(lm, fmt, "rtn", progress=False) if fmt != "bf16" else None
     info = {"kernels": sorted(set(kernels_used(lm.model).values()))}
-    if fmt != "bf16":
-        report = quantize_model(lm, fmt, "rtn", progress=False)
-        info = {"kernels": sorted(set(kernels_used(lm.model).values())), "simulated": report.simulated,
-                "quantized_kernels": report.kernels}
+    if report is not None:
+        info.update(simulated=report.simulated, quantized_kernels=report.kernels)
     return lm, info
 
 

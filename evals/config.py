@@ -17,7 +17,7 @@ from quant.calibration import CalibConfig
 from quant.kvcache import KVQuantSpec, parse_kv_spec
 from quant.scheme import QuantScheme, parse_scheme
 from runtime.errors import UserError
-from runtime.hardware import DEVICES
+from runtime.hardware import device_kind
 from specdec.proposers.base import ProposerSpec, parse_proposer_spec
 
 NONE = "none"
@@ -79,8 +79,7 @@ class Config:
         kv_spec = parse_kv_spec(kv)
         if self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
-        if self.device.split(":")[0] not in (*DEVICES, "auto"):
-            raise UserError(f"unknown device {self.device!r}: use one of {', '.join(DEVICES)}, auto")
+        device_kind(self.device)
         if self.observer not in OBSERVERS:
             raise UserError(f"unknown observer {self.observer!r}: use one of {', '.join(OBSERVERS)}")
         if self.smoothquant is not None and not 0 < float(self.smoothquant) < 1:

@@ -125,15 +125,21 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     """``cpu``, ``cuda`` (``cuda:N``), or ``auto``/None: cuda when torch sees a GPU, else cpu. Asking for cuda
     where there is none is a user error naming the alternative."""
     name = str(name or "auto").strip().lower()
-    if name == "auto":
+    kind = device_kind(name)
+    if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = name.split(":", 1)[0]
-    if kind not in DEVICES:
-        raise UserError(f"unknown device {name!r}: use one of cpu, cuda, auto")
     if kind == "cuda" and not torch.cuda.is_available():
         why = "torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA GPU"
         raise UserError(f"device {name!r} is not available here ({why}); use --device cpu")
     return torch.device(name)
+
+
+def device_kind(name: str) -> str:
+    """``cpu``, ``cuda`` or ``auto`` for a device name (``cuda:1`` -> cuda); any other name is a user error."""
+    kind = str(name).split(":", 1)[0]
+    if kind not in (*DEVICES, "auto"):
+        raise UserError(f"unknown device {name!r}: use one of {', '.join(DEVICES)}, auto")
+    return kind
 
 
 def sync(device: torch.device | str) -> None:
