@@ -35,13 +35,13 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
 
 from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
+from studies.samplers import SAMPLERS, PerTrialSeed, trial_seed
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
 from studies.storage import (GRACE_S, HEARTBEAT_S, WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
                              storage_url, worker_id)
@@ -55,12 +55,7 @@ QUALITY_ATTR = "quality/"  # study user attr prefix, one entry per quality key
 CLAIM_ATTR, SURPLUS_ATTR = "quality_claim", "surplus"
 CLAIM_SETTLE_S = 0.3  # a claimant looks for rivals this long after claiming, so concurrent claims see each other
 POLL_S = 0.5  # waiting for another worker's quality measurement or in-flight trials
-
-SAMPLERS: dict[str, Callable[[int], optuna.samplers.BaseSampler]] = {
-    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed, n_startup_trials=8),
-    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed, population_size=10),
-    "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
-}
+CREATION_WAIT_S = 60  # a worker joining a study waits this long for its creator to store the study's settings
 
 
 @dataclass
@@ -130,9 +125,10 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
             name = names[0]
         else:
             name, settings.create = time.strftime("search-%Y%m%d-%H%M%S"), True
-    sampler = SAMPLERS[settings.sampler](settings.seed)
+    sampler = PerTrialSeed(settings.sampler, settings.seed)
     if name in names:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        _wait_for_creator(study)
         _check_stored(study, settings)
         return study
     if not settings.create:
@@ -148,15 +144,32 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
     settings.space, settings.floor, settings.mode = space, floor, mode
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, load_if_exists=True,
                                 directions=DIRECTIONS[mode])
-    if "floor" not in study.user_attrs:  # first of several workers creating it; "floor" last marks it complete
-        study.set_user_attr("mode", mode)
-        study.set_user_attr("space", space.to_dict())
-        study.set_user_attr("reference", space.reference().to_dict())
-        study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True},
-                            skip_if_exists=True)
-        study.set_user_attr("floor", floor)
+    if "floor" not in study.user_attrs:  # first of several workers creating it
+        store_settings(study, space, floor, mode)
     _check_stored(study, settings)
     return study
+
+
+def store_settings(study: optuna.Study, space: SearchSpace, floor: str, mode: str) -> None:
+    """A new study's mode, space and reference trial (enqueued first), then its floor, which marks it complete."""
+    study.set_user_attr("mode", mode)
+    study.set_user_attr("space", space.to_dict())
+    study.set_user_attr("reference", space.reference().to_dict())
+    study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True}, skip_if_exists=True)
+    study.set_user_attr("floor", floor)
+
+
+def _wait_for_creator(study: optuna.Study) -> None:
+    """A worker that finds the study before its creator has stored the settings waits for them: joining early, it
+    would sample before the reference trial is enqueued, and without the stored mode return values that Optuna
+    fails silently after they were measured."""
+    deadline = time.monotonic() + CREATION_WAIT_S
+    while "floor" not in study.user_attrs:
+        if time.monotonic() > deadline:
+            raise UserError(f"study {study.study_name!r} has no stored floor after {CREATION_WAIT_S} s: it was not "
+                            "made by `quantspec search`, or its creator stopped while making it; start a new study "
+                            "(--study-name NEW --create)")
+        time.sleep(POLL_S)
 
 
 def _check_stored(study: optuna.Study, settings: SearchSettings) -> None:
@@ -197,6 +210,13 @@ def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
 
 
+def taken_for_dead(study: optuna.Study, number: int | None) -> bool:
+    """Whether trial ``number`` is finished although this worker was still running it: another worker took it for
+    dead (no heartbeat within the grace period), failed and re-queued it, and Optuna refuses this worker's result."""
+    return number is not None and any(t.number == number and t.state.is_finished()
+                                      for t in study.get_trials(deepcopy=False))
+
+
 class SurplusTrial(Exception):
     """Started together with another worker's trial when only one more was needed (recorded FAIL, not counted)."""
 
@@ -208,8 +228,10 @@ class TrialRunner:
         self.study, self.settings, self.evaluator = study, settings, evaluator
         self.space, self.floor = settings.space, evaluator.floor_value(settings.floor)
         self._reference_tokens: dict[str, list[list[int]]] = {}
+        self.number: int | None = None  # the trial running or last run
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        self.number = trial.number
         trial.set_user_attr(WORKER_ATTR, worker_id())
         self._refuse_surplus(trial)
         try:
@@ -239,7 +261,7 @@ class TrialRunner:
         trial.set_user_attr("length", length)
         if length.get("constraint") is not None:
             trial.set_constraint(LENGTH, length["constraint"])
-        return speed.tok_s if self.settings.mode == "constrained" else (speed.tok_s, quality.value)
+        return speed.tok_s if len(self.study.directions) == 1 else (speed.tok_s, quality.value)  # the stored mode
 
     def _refuse_surplus(self, trial: optuna.Trial) -> None:
         """Workers that started trials at the same moment: those beyond the study's target stop unmeasured."""
@@ -357,7 +379,7 @@ class TrialRunner:
         return min(claims)[1] if claims else None
 
     def _sampled_for_exact_check(self, number: int) -> bool:
-        return random.Random(self.settings.seed * 1_000_003 + number).random() < self.settings.exact_fraction
+        return random.Random(trial_seed(self.settings.seed, number)).random() < self.settings.exact_fraction
 
     def exact_check(self, config: TrialConfig) -> dict:
         """Greedy outputs of the speculative config vs the same transformation without speculation."""
@@ -379,6 +401,7 @@ class TrialRunner:
 class SearchOutcome:
     study: optuna.Study
     recovered: list[int] = field(default_factory=list)  # trials failed + re-queued because their worker died
+    lost: list[int] = field(default_factory=list)  # this worker's trials another worker took for dead (re-queued)
     ran: int = 0  # trials this worker ran
 
 
@@ -408,6 +431,11 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
             time.sleep(POLL_S)
             outcome.recovered += recover_stale_trials(study)  # also Optuna's heartbeat check (RDB storages)
             continue
-        study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
+        try:
+            study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+            if not taken_for_dead(study, runner.number):
+                raise
+            outcome.lost.append(runner.number)
         outcome.ran += 1
     return outcome

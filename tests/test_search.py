@@ -20,12 +20,15 @@ from optuna.trial import TrialState
 from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, register_evaluator
 from studies.pareto import footer_lines, rich_table, summarize, write_csv, write_json, write_png
+from studies.samplers import SAMPLERS, PerTrialSeed
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
 
 TESTS = Path(__file__).parent
 if os.environ.get("TOY_HOST"):  # a worker that should look remote: only Optuna's heartbeat can notice its death
     socket.gethostname = lambda: os.environ["TOY_HOST"]
+if os.environ.get("TOY_OPTUNA_LOG"):  # a worker that keeps Optuna's per-trial log lines (run_search silences them)
+    optuna.logging.set_verbosity = lambda *_: None
 QUALITY = {"none": 1.0, "w8ch-sym": 0.995, "w4g32-asym": 0.99, "w4g32-sym": 0.9}
 SPEED = {"none": 20.0, "w8ch-sym": 26.0, "w4g32-asym": 30.0, "w4g32-sym": 31.0}
 
@@ -99,7 +102,7 @@ class ToyEvaluator:
 def log_measurement(log: str | None, what: str, label: str) -> None:
     if log:
         with open(log, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "what": what, "label": label}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), "what": what, "label": label}) + "\n")
 
 
 def measurements(log: Path, what: str) -> list[str]:
@@ -121,6 +124,9 @@ def toy_space(model_dir, **overrides) -> SearchSpace:
     base = dict(model=str(model_dir), weights=list(QUALITY), methods=["rtn"], kv=["none", "kivi8"],
                 proposers=["none", "ngram"], k=(1, 6))
     return SearchSpace(**{**base, **overrides})
+
+
+LUCKY = 3  # a seed whose first random draws reach every point a few-trial test needs (seed 0 misses some)
 
 
 def settings(tmp_path, space, **kw) -> SearchSettings:
@@ -244,7 +250,7 @@ def test_unprobed_equal_outputs_are_verified(tmp_path, tiny_llama_dir):
     """Not exact by construction, but greedy outputs equal on every prompt: checked on every trial (exact_fraction
     0 notwithstanding) and the twin's quality applies as "verified"."""
     space = toy_space(tiny_llama_dir, weights=["none"], kv=["none"], k=(2, 3))
-    outcome = run_search(settings(tmp_path, space, n_trials=3, sampler="random", exact_fraction=0.0),
+    outcome = run_search(settings(tmp_path, space, n_trials=3, sampler="random", exact_fraction=0.0, seed=LUCKY),
                          ToyEvaluator(unprobed_on="none"))
     spec = _complete(outcome.study, proposer="ngram")
     assert spec and all(t.user_attrs["quality_basis"]["kind"] == "verified" and t.user_attrs["exact_check"]["equal"]
@@ -274,7 +280,7 @@ def test_length_band_gates_a_configuration_answering_longer(tmp_path, tiny_llama
     """w8ch-sym answers 30% longer than the reference: infeasible under the band (with the reason), feasible with
     the band off (negative control; the record says the band is off)."""
     space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym"], kv=["none"], proposers=["none"])
-    outcome = run_search(settings(tmp_path, space, n_trials=2, sampler="random", length_band=band),
+    outcome = run_search(settings(tmp_path, space, n_trials=2, sampler="random", length_band=band, seed=LUCKY),
                          ToyEvaluator(long_on="w8ch-sym"))
     [long] = _complete(outcome.study, weights="w8ch-sym")
     [ref] = _complete(outcome.study, weights="none")
@@ -303,7 +309,8 @@ def test_length_band_parsing():
 
 def test_pruned_reason_and_failed_trial_do_not_stop_study(tmp_path, tiny_llama_dir):
     space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym", "w4g32-asym"], activations=["none", "a8tok-dyn"])
-    outcome = run_search(settings(tmp_path, space, n_trials=14, sampler="random"), ToyEvaluator(fail_on="w8ch-sym"))
+    outcome = run_search(settings(tmp_path, space, n_trials=14, sampler="random", seed=LUCKY),
+                         ToyEvaluator(fail_on="w8ch-sym"))
     trials = outcome.study.get_trials(deepcopy=False)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     failed = [t for t in trials if t.state == TrialState.FAIL]
@@ -358,6 +365,25 @@ def test_q4_1_caveat_on_default_model_rows(tmp_path):
     asym = next(r for r in summary.rows if r.config["weights"] == "w4g32-asym")
     assert "q4_1" in asym.notes and any(SMOLLM2.note in line for line in footer_lines(summary))
     assert asym.speedup == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_workers_sharing_a_seed_draw_different_points(name):
+    """Two workers' samplers built with the same --seed on one study: seeded per trial number, they propose
+    different points (negative control: one RNG per worker draws the same point twice), and a rerun reproduces."""
+    dist = optuna.distributions.FloatDistribution(0.0, 1.0)
+
+    def first_two(make) -> list[float]:
+        storage = optuna.storages.InMemoryStorage()
+        workers = [optuna.create_study(study_name="s", storage=storage, sampler=make(), load_if_exists=True)
+                   for _ in range(2)]
+        return [w.ask({"x": dist}).params["x"] for w in workers]  # trial 0 from one worker, trial 1 from the other
+
+    a, b = first_two(lambda: PerTrialSeed(name, 0))
+    assert a != b
+    assert first_two(lambda: PerTrialSeed(name, 0)) == [a, b]
+    lockstep = first_two(lambda: SAMPLERS[name](0))
+    assert lockstep[0] == lockstep[1]
 
 
 # ---- persistence and scale-out (subprocesses running the real CLI with the toy evaluator) ----
@@ -480,6 +506,51 @@ def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     assert "tok/s" in resumed.stdout  # the final table
 
 
+def test_a_worker_joining_before_its_creator_stored_the_settings_waits(tmp_path, tiny_llama_dir):
+    """A worker that finds the study while its creator is still storing the settings waits for them. Before, it
+    sampled at once (trial 0 before the reference) and, without the stored mode, returned two values to a
+    one-objective study, which Optuna failed silently after each measurement (seen in CI on PostgreSQL)."""
+    from studies.search import store_settings
+    from studies.storage import open_storage
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    study = optuna.create_study(study_name="s", storage=open_storage(url))  # its creator has stored nothing yet
+    proc = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--n-trials", "3", popen=True)
+    time.sleep(10)  # the worker has started and found the study
+    assert proc.poll() is None and not load(url).get_trials()  # waiting, nothing sampled
+    store_settings(study, toy_space(tiny_llama_dir), "0.98", "constrained")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    trials = whole_study(url, 3)
+    assert trials[0].user_attrs.get("reference") and trials[0].state == TrialState.COMPLETE
+    assert not [t.number for t in trials.values() if t.state == TrialState.FAIL]
+
+
+def test_worker_whose_trial_was_taken_for_dead_goes_on(tmp_path, tiny_llama_dir):
+    """Another worker fails and re-queues a trial this worker is still running (its heartbeat looked stale): the
+    worker drops that result with one line and goes on, instead of dying on Optuna's "Cannot tell a FAIL trial"
+    (which it did before), and the study still ends with --n-trials finished trials."""
+    from studies.storage import RequeueOnce
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    proc = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--create", "--n-trials", "3",
+               env={"TOY_DELAY_S": "3"}, popen=True)
+    running = trials_when(url, lambda trials: any(t.state == TrialState.RUNNING and "config" in t.user_attrs
+                                                  for t in trials))
+    assert running, "the worker never started measuring a trial"
+    victim = next(t for t in running if t.state == TrialState.RUNNING)
+    study = load(url)
+    study._storage.set_trial_state_values(victim._trial_id, state=TrialState.FAIL)  # what a stale heartbeat does
+    RequeueOnce(url)(study, study._storage.get_trial(victim._trial_id))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert f"trial(s) [{victim.number}] of this worker were taken for dead" in " ".join(out.split())
+    after = whole_study(url, 3)
+    assert after[victim.number].state == TrialState.FAIL
+    assert [t.state for t in after.values() if t.system_attrs.get("failed_trial") == victim.number] == \
+        [TrialState.COMPLETE]  # its re-queued copy ran
+
+
 def start_workers(tmp_path, search, url, n_workers, *extra, env=None, victim_env=None) -> list:
     """``n_workers`` processes running ``search`` (`search ...` args) on study "s" of ``url``, the first one with
     ``victim_env``."""
@@ -498,21 +569,34 @@ def wait_ok(workers, timeout_s: float = 240) -> list[str]:
     return errs
 
 
+def study_report(trials, log: Path, errs: list[str]) -> str:
+    """Every trial, every measurement and each worker's Optuna log, as one string (shown whole on failure)."""
+    keys = ("label", "duplicate_of", "error", "pruned_reason", "surplus", "stale", "quality_claim")
+    lines = ["trials:"] + [
+        f"  #{t.number} {t.state.name} pid={(t.user_attrs.get('worker') or {}).get('pid')} "
+        f"{ {k: t.user_attrs[k] for k in keys if k in t.user_attrs} } failed_trial={t.system_attrs.get('failed_trial')} "
+        f"start={t.datetime_start} end={t.datetime_complete}" for t in trials]
+    lines += ["measurements:"] + ["  " + line for line in (log.read_text().splitlines() if log.exists() else [])]
+    for i, err in enumerate(errs):
+        lines += [f"worker {i} stderr:"] + ["  " + line for line in err.splitlines()[-60:]]
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("kind", STORAGES)
 def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
     url = storage_for(kind, tmp_path, request)
     log = tmp_path / "measured.jsonl"
     workers = start_workers(tmp_path, toy_search(tiny_llama_dir), url, 3, "--n-trials", "12",
-                            env={"TOY_DELAY_S": "0.3", "TOY_QUALITY_DELAY_S": "0.5", "TOY_LOG": str(log)})
-    failures = [line for err in wait_ok(workers) for line in err.splitlines() if "failed" in line]
+                            env={"TOY_DELAY_S": "0.3", "TOY_QUALITY_DELAY_S": "0.5", "TOY_LOG": str(log),
+                                 "TOY_OPTUNA_LOG": "1"})
+    errs = wait_ok(workers)
     trials = list(whole_study(url, 12).values())  # exactly 12 finished, no gaps, no duplicates, nothing RUNNING
     assert len({t.user_attrs["worker"]["pid"] for t in trials}) == 3  # every worker ran trials
     surplus = [t for t in trials if "surplus" in t.user_attrs]
     assert all(t.state == TrialState.FAIL and "config" not in t.user_attrs for t in surplus)  # never measured
     fresh = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
-    assert measurements(log, "speed") == sorted(t.user_attrs["label"] for t in fresh), [  # each measured exactly once
-        (t.number, t.state.name, t.user_attrs.get("label"), t.user_attrs.get("duplicate_of"), t.user_attrs.get("error"),
-         t.user_attrs.get("pruned_reason"), t.user_attrs.get("surplus")) for t in trials] + failures
+    assert measurements(log, "speed") == sorted(t.user_attrs["label"] for t in fresh), \
+        study_report(trials, log, errs)  # each measured exactly once
     stored = sorted(k.split("/", 1)[1] for k in load(url).user_attrs if k.startswith("quality/"))
     assert measurements(log, "quality") == stored  # each transformation's quality measured once, shared
 

@@ -77,7 +77,8 @@ def search(
                                          "lower bound, abs:0.40 = absolute accuracy (default 0.98)."),
     mode: str = typer.Option(None, help="constrained (max tok/s s.t. floor) or pareto (speed and quality)."),
     sampler: str = typer.Option("tpe", help="tpe, nsga2 or random."),
-    seed: int = typer.Option(0, help="Sampler seed."),
+    seed: int = typer.Option(0, help="Sampler seed; each trial draws from (seed, trial number), so workers sharing a "
+                             "study and a seed draw different points and one worker reruns alike."),
     n_trials: int = typer.Option(20, "--n-trials", help="Study-wide number of finished trials to reach."),
     timeout: float = typer.Option(None, help="Stop starting new trials after this many seconds."),
     storage: str = typer.Option(None, help="Optuna storage URL (sqlite:///, postgresql://, mysql://, journal:///FILE.log); "
@@ -121,6 +122,9 @@ def search(
     outcome = search_with_progress(settings, trial_evaluator, console)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
+    if outcome.lost:
+        console.print(f"trial(s) {outcome.lost} of this worker were taken for dead by another worker (no heartbeat "
+                      "within --grace) and re-queued; their results were dropped: raise --grace if this recurs")
     console.print(f"study {outcome.study.study_name!r} in {shown_url(storage_url(storage, study_dir))}; this worker ran "
                   f"{outcome.ran} trial(s)")
     report(summarize(outcome.study), console, csv, png, json_out)
