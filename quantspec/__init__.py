@@ -9,6 +9,7 @@ are the implementation, layered in that order (docs/architecture.md).
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from evals.acceptance import LosslessReport, check_lossless, measure_acceptance
@@ -33,9 +34,7 @@ from specdec.proposers import Proposal, Proposer, build_proposer, register_propo
 from specdec.train_draft import TrainConfig, TrainResult
 from specdec.train_draft import train_head as train_draft
 from studies.objective import register_evaluator
-from studies.pareto import StudySummary, load_summary
-from studies.search import DEFAULT_STUDY_DIR, SearchOutcome, SearchSettings, run_search
-from studies.storage import storage_url
+from studies.defaults import DEFAULT_STUDY_DIR, require_optuna
 
 
 def load(model: str | Path = "default", dtype: str = DEFAULT_DTYPE, threads: int | None = None,
@@ -49,13 +48,31 @@ def load(model: str | Path = "default", dtype: str = DEFAULT_DTYPE, threads: int
 def search(settings: SearchSettings, evaluator, on_trial=None) -> SearchOutcome:
     """An Optuna study of configurations under a quality floor (``quantspec search``); ``evaluator`` from
     ``studies.objective.get_evaluator`` or a registered one."""
+    require_optuna("quantspec.search")
+    from studies.search import run_search
+
     return run_search(settings, evaluator, on_trial=on_trial)
 
 
 def pareto(storage: str | None = None, study_name: str | None = None,
            study_dir: Path = DEFAULT_STUDY_DIR) -> StudySummary:
     """The speed/quality table of a stored study, Pareto-optimal rows marked (``quantspec pareto``)."""
+    require_optuna("quantspec.pareto")
+    from studies.pareto import load_summary
+    from studies.storage import storage_url
+
     return load_summary(storage_url(storage, study_dir), study_name)
+
+
+_NEED_OPTUNA = {"SearchSettings": "studies.search", "SearchOutcome": "studies.search", "StudySummary": "studies.pareto"}
+
+
+def __getattr__(name: str):
+    """The search's types, imported on first use (they need optuna; the rest of the API does not)."""
+    if name not in _NEED_OPTUNA:
+        raise AttributeError(f"module 'quantspec' has no attribute {name!r}")
+    require_optuna(f"quantspec.{name}")
+    return getattr(importlib.import_module(_NEED_OPTUNA[name]), name)
 
 
 __all__ = [

@@ -43,10 +43,10 @@ from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.samplers import SAMPLERS, PerTrialSeed, trial_seed
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
-from studies.storage import (GRACE_S, HEARTBEAT_S, WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
+from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S
+from studies.storage import (WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
                              storage_url, worker_id)
 
-DEFAULT_STUDY_DIR = Path("runs/search")
 DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
 CONSTRAINT, EXACTNESS, LENGTH = "quality_floor", "exactness", "length_band"
 DEFAULT_LENGTH_BAND = (0.9, 1.1)
@@ -74,8 +74,8 @@ class SearchSettings:
     exact_fraction: float = 0.25  # share of exact-by-construction speculative trials re-checked on greedy outputs
     length_band: tuple[float, float] | None | str = DEFAULT_LENGTH_BAND  # None or "off": no length gate
     timeout_s: float | None = None
-    heartbeat_s: int = HEARTBEAT_S  # RDB storages: a worker's heartbeat interval ...
-    grace_s: int = GRACE_S  # ... and the silence after which its RUNNING trial is failed and re-queued
+    heartbeat_s: int = HEARTBEAT_S
+    grace_s: int = GRACE_S
 
     def __post_init__(self):
         if self.n_trials < 1:

@@ -26,11 +26,10 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from runtime.errors import UserError
+from studies.defaults import GRACE_S, HEARTBEAT_S
 
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 JOURNAL_PREFIX = "journal://"
-HEARTBEAT_S = 20
-GRACE_S = 60
 SCHEMA_RACE_RETRIES = 5
 SCHEMA_RACE_MARKS = ("UNIQUE constraint", "locked", "already exists", "duplicate key")
 WORKER_ATTR = "worker"

@@ -14,6 +14,7 @@ from runtime.hardware import hardware_line
 from quantspec.cli.app import DeviceOption, DtypeOption, ModelArgument, app
 from evals.decode_speed import compare_decode
 from quantspec.cli.cmd_search import demo_search
+from studies.defaults import require_optuna
 
 console = Console()
 
@@ -64,6 +65,7 @@ def demo(
 ):
     """The main job on the default model: answer a question, native vs HF decode speed, then a small
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
+    require_optuna("quantspec demo")  # before the first part, not after it
     answer("What is the capital of France?", dtype="fp32", max_new_tokens=32)  # beside the fp32 HF comparison
     record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=2)
     print_decode_comparison(record)

@@ -1,9 +1,13 @@
-"""``quantspec search`` (an Optuna study under a quality floor) and ``quantspec pareto`` (its table and plot)."""
+"""``quantspec search`` (an Optuna study under a quality floor) and ``quantspec pareto`` (its table and plot).
+
+The study modules are imported inside the commands: they need optuna, and the CLI starts without it (the GPU
+machine has none), where these commands answer one line."""
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -11,11 +15,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from runtime.errors import UserError
 from quantspec.cli.app import DataDirOption, app
+from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, require_optuna
 from studies.objective import get_evaluator
-from studies.pareto import StudySummary, footer_lines, load_summary, rich_table, summarize, write_csv, write_json, write_png
-from studies.search import DEFAULT_STUDY_DIR, SearchSettings, finished_trials, run_search
 from studies.space import load_space
-from studies.storage import GRACE_S, HEARTBEAT_S, shown_url, storage_url
+
+if TYPE_CHECKING:
+    from studies.pareto import StudySummary
+    from studies.search import SearchSettings
 
 
 def _console() -> Console:
@@ -39,6 +45,8 @@ def _split(text: str | None) -> list[str] | None:
 
 def search_with_progress(settings: SearchSettings, evaluator, console: Console):
     """``run_search`` under a rich progress bar showing the study-wide finished count and the last trial."""
+    from studies.search import finished_trials, run_search
+
     with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
         task = bar.add_task("starting", total=settings.n_trials)
@@ -54,6 +62,8 @@ def search_with_progress(settings: SearchSettings, evaluator, console: Console):
 
 
 def report(summary: StudySummary, console: Console, csv: str | None, png: str | None, json_out: str | None) -> None:
+    from studies.pareto import footer_lines, rich_table, write_csv, write_json, write_png
+
     console.print(rich_table(summary))
     for line in footer_lines(summary):
         console.print(f"[dim]{line}[/]")
@@ -108,6 +118,11 @@ def search(
     json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
 ):
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
+    require_optuna("quantspec search")
+    from studies.pareto import summarize
+    from studies.search import SearchSettings
+    from studies.storage import shown_url, storage_url
+
     overrides = {"model": model, "backends": _split(backends), "weights": _split(weights), "methods": _split(methods),
                  "activations": _split(activations), "kv": _split(kv), "proposers": _split(proposers), "k": _k_range(k)}
     given = space is not None or any(v is not None for v in overrides.values())
@@ -140,6 +155,10 @@ def pareto(
     json_out: str = typer.Option(None, "--json", help="Write the table as JSON."),
 ):
     """The speed/quality table of a study, sorted by speed, Pareto-optimal rows marked."""
+    require_optuna("quantspec pareto")
+    from studies.pareto import load_summary
+    from studies.storage import storage_url
+
     if storage is None and not (study_dir / "study.db").exists():
         raise UserError(f"no study storage at {study_dir / 'study.db'}: pass --storage URL or run `quantspec search`")
     report(load_summary(storage_url(storage, study_dir), study_name), _console(), csv, png, json_out)
@@ -152,6 +171,9 @@ def demo_search(n_trials: int = 8, data_dir: str | None = None, threads: int | N
     """The small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the default model, floor 0.9 of the
     reference's arc_easy accuracy on 50 items, a fresh study in runs/demo/study.db, then the table, CSV, JSON and
     PNG under runs/demo/."""
+    from studies.pareto import summarize
+    from studies.search import SearchSettings
+
     console = _console()
     console.rule("speed/quality search (studies/spaces/demo.yaml)")
     settings = SearchSettings(space=load_space("demo"), floor="0.9", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
