@@ -5,6 +5,8 @@ Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/spec_sweep.py [--per-cate
 Prompts: the first question of each of Spec-Bench's six tasks (MT-bench, translation, summarization, QA,
 math reasoning, RAG) from the data dir. Batch 1, fixed output length (ignore_eos), per prompt plain decoding
 and every K interleaved. Writes bench/results/specdec.json (a RunRecord with one sweep per proposer x T).
+--compile MODE: plain and speculative decoding through compiled steps (runtime/compiled.py; the reference stays
+eager), so a run with and one without it (each with its own --out) compare compiled and eager speculation.
 """
 import argparse
 import copy
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
+from runtime.compiled import MODES
 from runtime.data import PROMPT_FILES, data_file, read_jsonl
 from evals.record import RunRecord
 from runtime.loading import load_model
@@ -64,6 +67,7 @@ if __name__ == "__main__":
     parser.add_argument("--natural-eos", action="store_true",
                         help="Stop at the end of turn (Spec-Bench's protocol) instead of a fixed output length.")
     parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--compile", choices=MODES, default=None, help="Compile mode of the decode steps.")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec.json"))
     args = parser.parse_args()
     lm = load_model(args.model, args.dtype, args.threads, "eager")
@@ -80,7 +84,7 @@ if __name__ == "__main__":
             record = quantspec.measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
                                         f"spec_bench: first {args.per_category} of each task {tasks}",
                                         args.max_new_tokens, SamplingConfig(temperature, seed=0), reference,
-                                        ignore_eos=not args.natural_eos)
+                                        ignore_eos=not args.natural_eos, compile_mode=args.compile)
             record.results["load_average_after"] = os.getloadavg()
             print_sweep(record)
             records.append(record)

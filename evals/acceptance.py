@@ -62,7 +62,8 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
                                           "threads": torch.get_num_threads(),
-                                          "proposer": proposer, "sampling": vars(sampling)},
+                                          "proposer": proposer, "sampling": vars(sampling),
+                                          "compile_mode": sweep.compile_mode},
                                warmup="one 8-token request per engine (plain and each K), excluded",
                                cache_warmth="KV caches reset per request; weights resident in RAM"),
         metric=MetricCondition(METRICS, "greedy rows: tokens compared with plain greedy decoding "
@@ -84,16 +85,16 @@ def prompt_ids(lm: LoadedModel, texts: list[str]) -> list[list[int]]:
 def measure_acceptance(lm: LoadedModel | str, target: str, spec: Proposer | str, ks: list[int], texts: list[str],
                        source: str, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                        reference: LoadedModel | None = None, ignore_eos: bool = True,
-                       tick: Tick = lambda _: None) -> RunRecord:
+                       tick: Tick = lambda _: None, compile_mode: str | None = None) -> RunRecord:
     """Acceptance (α, β, τ, per position) and speedup vs K of one proposer, one row per K, beside Leviathan's
     prediction. ``lm``: a loaded target or a model name (loaded bf16 with eager attention); ``spec``: a
-    Proposer or its spec text (``ngram:min=2,max=4``); ``reference``, ``ignore_eos``: see specdec.sweep.run_sweep;
-    ``tick(what)`` after every request. The Python API behind ``quantspec accept``."""
+    Proposer or its spec text (``ngram:min=2,max=4``); ``reference``, ``ignore_eos``, ``compile_mode``: see
+    specdec.sweep.run_sweep; ``tick(what)`` after every request. The Python API behind ``quantspec accept``."""
     if isinstance(lm, str):
         lm = load_model(lm, "bf16", None, "eager")
     proposer = build_proposer(spec, lm) if isinstance(spec, str) else spec
     prompts = prompt_ids(lm, texts)
-    sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling, tick, reference, ignore_eos)
+    sweep = run_sweep(lm, proposer, ks, prompts, max_new_tokens, sampling, tick, reference, ignore_eos, compile_mode)
     return sweep_record(target, lm, proposer.label, sampling, source, prompts, max_new_tokens, sweep)
 
 
@@ -149,17 +150,19 @@ def check_lossless(model: str = "default", spec: str = "ngram", k: int = 4, prom
                    limit: int = 4, max_new_tokens: int = 48, samples: int = 400, prefixes: int = 2,
                    synthetic_samples: int = 20000, sampling: SamplingConfig = SamplingConfig(1.0),
                    dtype: str = "bf16", threads: int | None = None, alpha: float = ALPHA,
-                   data_dir: str | None = None, tick: Tick = lambda _: None) -> LosslessReport:
+                   data_dir: str | None = None, tick: Tick = lambda _: None,
+                   compile_mode: str | None = None) -> LosslessReport:
     """Greedy token equality with plain decoding on ``limit`` prompts; sampled first steps on ``prefixes``
     prompts (TV beyond the exact-sampler noise, first-position acceptance vs Σ min(p, q)); a synthetic
-    joint/bonus test with known p, q. ``tick(what)`` per greedy prompt and per sample."""
+    joint/bonus test with known p, q. ``tick(what)`` per greedy prompt and per sample. ``compile_mode``: both
+    decodings through compiled steps."""
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
     check_k(k)
     lm = load_model(model, dtype, threads, "eager")
     ids = prompt_ids(lm, load_prompts(prompts, data_dir, max(limit, prefixes)))
     max_len = max(len(p) for p in ids) + max_new_tokens + MAX_K + 1
-    decoder = SpeculativeDecoder(lm, spec, k, SamplingConfig(), max_len)
+    decoder = SpeculativeDecoder(lm, spec, k, SamplingConfig(), max_len, compile_mode)
     mismatches = greedy_mismatches(decoder, ids[:limit], max_new_tokens, lambda: tick("greedy equality"))
     decoder.sampling = sampling
     model_tests = [first_step_test(decoder, p, samples, lambda: tick("first-step distribution"), alpha)
@@ -175,7 +178,7 @@ def check_lossless(model: str = "default", spec: str = "ngram", k: int = 4, prom
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
                                           "proposer": decoder.proposer.label, "k": k,
-                                          "sampling": vars(sampling)}),
+                                          "sampling": vars(sampling), "compile_mode": compile_mode}),
         metric=MetricCondition({"tv": "0.5 * sum |empirical - target p|; fails above tv_threshold = "
                                       "tv_bound + sqrt(ln(1/alpha)/(2n)) (McDiarmid)",
                                 "detectable_tv": "true TV failed with probability >= power",

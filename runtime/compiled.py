@@ -1,9 +1,10 @@
-"""A compiled one-token decode step, in the manner of gpt-fast.
+"""Compiled decode steps, in the manner of gpt-fast.
 
-The step takes one token and its position as a tensor and attends over the whole preallocated KV cache, with a
-mask hiding positions not yet written, so its shapes never change and one ``torch.compile`` graph serves every
-step (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor). Prefill and
-multi-token calls stay eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
+A step takes n tokens and their positions as a tensor and attends over the whole preallocated KV cache, with a
+mask hiding positions not yet written, so its shapes depend on n only and one ``torch.compile`` graph serves every
+position (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor). A ``Decoder``
+compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
+step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
 """
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ MODES = ("default", "max-autotune-no-cudagraphs")
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 
 
-def static_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """Logits [1, 1, vocab] for ``token`` [1, 1] at ``input_pos`` [1], reading every cache position (masked)."""
-    mask = torch.arange(model.max_len, device=token.device)[None, :] <= input_pos[:, None]
-    return model.run(token, input_pos, mask, model.max_len)[0]
+def static_step(model: Transformer, tokens: torch.Tensor,
+                input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
+    reading every cache position (masked, causal within the n tokens)."""
+    mask = torch.arange(model.max_len, device=tokens.device)[None, :] <= input_pos[:, None]
+    return model.run(tokens, input_pos, mask, model.max_len)
 
 
 class CompiledStep:
-    """``step(token, input_pos)``: the model's one-token forward, compiled on the first call with the weights
-    frozen into the graph (build a new step after editing them). A model whose step does not compile to one
-    graph (e.g. a quantized KV cache, which slices at the position's value) runs its eager forward instead, and
-    ``fallback`` says why (printed once)."""
+    """``step(tokens, input_pos)``: the model's forward of a fixed number of tokens (one step per token count:
+    ``dynamic=False``, so another count would be another graph), returning (logits, hidden) like
+    ``model(..., return_hidden=True)``, compiled on the first call with the weights frozen into the graph (build a
+    new step after editing them). A model whose step does not compile to one graph (e.g. a quantized KV cache,
+    which slices at the position's value) runs its eager forward instead, and ``fallback`` says why (printed once)."""
 
     def __init__(self, model: Transformer, mode: str = DEFAULT_MODE):
         if mode not in MODES:
@@ -44,12 +48,12 @@ class CompiledStep:
         own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step")
         self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
 
-    def __call__(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fallback is None:
             try:
                 with torch._inductor.config.patch(self._config):
-                    return self._compiled(self.model, token, input_pos)
+                    return self._compiled(self.model, tokens, input_pos)
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")
-        return self.model(token, input_pos)
+        return self.model(tokens, input_pos, return_hidden=True)

@@ -60,7 +60,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
 
 class Decoder:
     """Owns one model's KV cache and position; ``rollback`` truncates to an earlier position. ``compile_mode`` (a
-    name in ``runtime.compiled.MODES``) runs one-token forwards through a compiled step; None keeps them eager."""
+    name in ``runtime.compiled.MODES``) runs one-token forwards, and those ``forward(..., compiled=True)`` asks for,
+    through compiled steps (one per token count, in ``steps``); None keeps them eager."""
 
     def __init__(self, lm: LoadedModel, max_len: int = 2048, cache_factory=None, compile_mode: str | None = None):
         self.lm = lm
@@ -70,8 +71,14 @@ class Decoder:
         self.pos = 0
         self.eos_ids = eos_token_ids(lm)
         self.model.setup_cache(1, self.max_len, cache_factory)
-        self.step = CompiledStep(self.model, compile_mode) if compile_mode else None
+        self.compile_mode = compile_mode
+        self.steps: dict[int, CompiledStep] = {1: CompiledStep(self.model, compile_mode)} if compile_mode else {}
         self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
+
+    @property
+    def step(self) -> CompiledStep | None:
+        """The compiled one-token step (None without ``compile_mode``)."""
+        return self.steps.get(1)
 
     def keep_hidden(self) -> None:
         """From now on every forward also stores the final-norm hidden state of each position it runs (rows past
@@ -90,24 +97,26 @@ class Decoder:
         self.pos = pos
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int] | torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
-        """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]."""
+    def forward(self, tokens: list[int] | torch.Tensor, n_layers: int | None = None,
+                compiled: bool = False) -> torch.Tensor:
+        """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]. With ``compile_mode``, one
+        token, or any count when ``compiled``, runs through the compiled step for that count (built on first use)."""
         device = self.lm.device
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(1, -1)
         n = ids.shape[1]
         if self.pos + n > self.max_len:
             raise UserError(f"sequence of {self.pos + n} tokens exceeds max length {self.max_len}; raise --max-len")
         input_pos = torch.arange(self.pos, self.pos + n, device=device)
-        if self.hidden is not None and n_layers is None:
-            logits, hidden = self.model(ids, input_pos, return_hidden=True)
-            self.hidden[self.pos : self.pos + n] = hidden[0]
-            logits = logits[0]
-        elif self.step is not None and n == 1 and n_layers is None:
-            logits = self.step(ids, input_pos)[0]
+        if self.compile_mode and (n == 1 or compiled) and n_layers is None:
+            if n not in self.steps:
+                self.steps[n] = CompiledStep(self.model, self.compile_mode)
+            logits, hidden = self.steps[n](ids, input_pos)
         else:
-            logits = self.model(ids, input_pos, n_layers=n_layers)[0]
+            logits, hidden = self.model(ids, input_pos, n_layers=n_layers, return_hidden=True)
+        if self.hidden is not None and n_layers is None:
+            self.hidden[self.pos : self.pos + n] = hidden[0]
         self.pos += n
-        return logits
+        return logits[0]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                  ignore_eos: bool = False) -> GenerationResult:

@@ -129,8 +129,9 @@ def acceptance_test(accepted: int, rounds: int, expected: float, alpha: float = 
 
 def greedy_mismatches(spec: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
                       tick: Callable[[], None] = lambda: None) -> list[dict]:
-    """Prompts where greedy speculative output differs from plain greedy decoding (first differing index)."""
-    plain = Decoder(spec.decoder.lm, spec.decoder.max_len)
+    """Prompts where greedy speculative output differs from plain greedy decoding (first differing index), the
+    plain decoding compiled as ``spec``'s is."""
+    plain = Decoder(spec.decoder.lm, spec.decoder.max_len, compile_mode=spec.decoder.compile_mode)
     bad = []
     for i, ids in enumerate(prompts):
         ref = plain.generate(ids, max_new_tokens, ignore_eos=True).tokens

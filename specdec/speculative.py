@@ -44,20 +44,35 @@ def check_bf16_exact(target: LoadedModel) -> None:
                         "fp32 (--dtype fp32), or on a CPU with oneDNN bf16 prepacking (AVX-512)")
 
 
+def compiled_rows_differing(decoder: Decoder, tokens: list[int]) -> tuple[torch.Tensor, int]:
+    """Logits of ``tokens`` through the decoder's compiled len(tokens)-token step, and how many of their rows
+    differ bitwise from the compiled one-token steps' logits at the same positions (run first, then rolled back)."""
+    start = decoder.pos
+    rows = torch.cat([decoder.forward([token]) for token in tokens])
+    decoder.rollback(start)
+    logits = decoder.forward(tokens, compiled=True)
+    return logits, int((logits != rows).any(-1).sum())
+
+
 class SpeculativeDecoder:
     """Output equals plain decoding token for token when greedy, and in distribution when sampling. In bf16
     the target must use batch-invariant ("eager") attention: the logits of a verified token are then bitwise its
     decoded logits (in fp32 the MKL GEMMs are not batch-invariant; greedy equality is tested, not constructed).
 
+    ``compile_mode`` runs the target's one-token and verification forwards (and a draft model's steps) through
+    compiled steps; greedy output then equals plain decoding through the compiled one-token step, which each
+    verification length's compiled step is probed against on its first call (``verify_logits``).
+
     ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches."""
 
     def __init__(self, target: LoadedModel, proposer: Proposer | str, k: int,
-                 sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048):
+                 sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048, compile_mode: str | None = None):
         if target.dtype == torch.bfloat16:
             check_bf16_exact(target)
         self.k = check_k(k)
         self.sampling = sampling
-        self.decoder = Decoder(target, max_len)
+        self.decoder = Decoder(target, max_len, compile_mode=compile_mode)
+        self.differing: dict[int, int] = {}  # compiled verification length -> rows differing from one-token steps
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
         self.proposer.attach(self.decoder)
 
@@ -67,13 +82,30 @@ class SpeculativeDecoder:
         self.proposer.reset()
         return int(next_token(self.decoder.forward(prompt_ids)[-1], self.sampling, generator))
 
+    def verify_logits(self, tokens: list[int]) -> torch.Tensor:
+        """The target's logits for ``tokens`` (the last context token and the draft) in one forward. Compiled, the
+        first call of each length is probed (``compiled_rows_differing``), and greedy speculation is refused where
+        a row differs: its output could then differ from plain compiled decoding."""
+        decoder, n = self.decoder, len(tokens)
+        if decoder.compile_mode is None:
+            return decoder.forward(tokens)
+        if n in self.differing:
+            logits = decoder.forward(tokens, compiled=True)
+        else:
+            logits, self.differing[n] = compiled_rows_differing(decoder, tokens)
+        if self.differing[n] and self.sampling.greedy and not (decoder.steps[1].fallback or decoder.steps[n].fallback):
+            raise UserError(f"greedy speculation with --compile would not be token-exact here: the compiled {n}-token "
+                            f"verification step's logits differ bitwise from the compiled one-token step's in "
+                            f"{self.differing[n]} of {n} rows ({decoder.lm.precision}); speculate with --no-compile")
+        return logits
+
     def step(self, context: list[int], k: int, generator, stats: AcceptanceStats) -> list[int]:
         """One propose + verify round after ``context`` (the target cache holds all of it but the last token);
         returns the accepted draft tokens plus the target's correction or bonus token."""
         t0 = time.perf_counter()
         proposal = self.proposer.propose(context, k, self.sampling, generator)
         t1 = time.perf_counter()
-        logits = self.decoder.forward([context[-1], *proposal.tokens])
+        logits = self.verify_logits([context[-1], *proposal.tokens])
         verdict = verify(logits, proposal, self.sampling, generator)
         self.decoder.rollback(len(context) + verdict.accepted)
         stats.observe(len(proposal.tokens), verdict.accepted, t1 - t0, time.perf_counter() - t1)

@@ -149,6 +149,7 @@ class SweepResult:
     rows: list[SweepRow]
     verify_cost: list[float]
     ignore_eos: bool = True
+    compile_mode: str | None = None
 
     @property
     def best_k(self) -> int:
@@ -157,16 +158,18 @@ class SweepResult:
 
 def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: list[list[int]],
               max_new_tokens: int, sampling: SamplingConfig, tick: Tick = lambda _: None,
-              reference: LoadedModel | None = None, ignore_eos: bool = True) -> SweepResult:
+              reference: LoadedModel | None = None, ignore_eos: bool = True,
+              compile_mode: str | None = None) -> SweepResult:
     """Per prompt: plain decoding, then speculative decoding at every K (interleaved, so load drift on a
     shared machine hits all rows alike); one excluded warm-up request per engine and K first. ``reference``:
     plain decoding on another build of the target too (e.g. its faster, not batch-invariant attention), so
     rows also carry the speedup over that. ``ignore_eos=False`` stops every run at the model's end of turn
-    (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable."""
+    (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable.
+    ``compile_mode``: plain and speculative decoding through compiled steps (the verify cost curve stays eager)."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
-    plain = Decoder(target, max_len)
+    plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
-    spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len)
+    spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len, compile_mode)
     warm = prompts[0], min(8, max_new_tokens)
     for decoder in filter(None, (plain, reference_plain)):
         decoder.generate(*warm, sampling, ignore_eos=True)
@@ -209,4 +212,4 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
                                    [r.decode_tokens_per_s for r in ref]) if reference else None
     baseline = Baseline(plain_tok_s, step_s * 1e3, len(prompts), [r.decode_tokens_per_s for r in base],
                         [len(r.tokens) for r in base], [r.finish_reason == "eos" for r in base], reference_rate)
-    return SweepResult(baseline, rows, curve, ignore_eos)
+    return SweepResult(baseline, rows, curve, ignore_eos, compile_mode)

@@ -1,12 +1,16 @@
-"""The compiled one-token decode step (runtime/compiled.py): same greedy tokens as eager in fp32, one graph for
-every position, eager fallback where the step does not compile, and ``quantspec generate --compile``."""
+"""The compiled decode steps (runtime/compiled.py): same greedy tokens as eager in fp32, one graph for every
+position, eager fallback where the step does not compile, and ``quantspec generate --compile``; the compiled K+1-token
+verification of speculative decoding, probed against the one-token step, and ``quantspec accept --compile``."""
 import pytest
 import torch
 
 from quant.kvcache import make_cache_factory
 from runtime.compiled import DEFAULT_MODE, CompiledStep
+from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
+from runtime.sampling import SamplingConfig
+from specdec.speculative import SpeculativeDecoder
 
 PROMPT = list(range(5, 30))
 
@@ -29,7 +33,7 @@ def test_compiled_greedy_tokens_equal_eager_fp32(tiny):
     # negative control: the same step fed the wrong position (one behind) decodes other tokens
     decoder.generate(PROMPT, 2, ignore_eos=True)
     good = decoder.step
-    decoder.step = lambda token, input_pos: good(token, input_pos - 1)
+    decoder.steps[1] = lambda token, input_pos: good(token, input_pos - 1)
     assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens != eager
 
 
@@ -85,6 +89,19 @@ def test_quantized_linears_compile_to_one_graph(tiny_llama_dir, one_thread, sche
     assert decoder.step.fallback is None, (kernels, decoder.step.fallback)
 
 
+def test_compiled_steps_keep_the_hidden_states_eagle_drafts_from(tiny):
+    """With ``keep_hidden`` the compiled steps store each position's final hidden state, as the eager forward does
+    (up to rounding)."""
+    hidden = []
+    for mode in (None, "default"):
+        decoder = Decoder(tiny, max_len=64, compile_mode=mode)
+        decoder.keep_hidden()
+        decoder.generate(PROMPT, 8, ignore_eos=True)
+        hidden.append(decoder.hidden[: decoder.pos])
+    assert torch.allclose(*hidden, atol=1e-5)
+    assert not torch.allclose(hidden[0][1:], hidden[1][:-1], atol=1e-2)  # negative control: rows one position off
+
+
 def test_unknown_mode(tiny):
     with pytest.raises(ValueError, match="unknown compile mode"):
         CompiledStep(tiny.model, "fastest")
@@ -118,3 +135,87 @@ def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
     assert set(rows) == {"fp32", "bf16"} and rows["fp32"]["greedy_tokens_equal"]
     assert all(r["fallback"] is None and r["compiled_tok_s"] > 0 and r["first_call_s"] > 0 for r in rows.values())
     assert record.hardware["torch_threads"] == 1 and record.lengths.output_tokens == {"fixed": 6}
+
+
+# ---- the compiled K+1-token verification step of speculative decoding ----
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_llama_dir, one_thread):
+    return load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
+
+
+def speculate(lm, draft_dir, compile_mode="default", n=16):
+    spec = SpeculativeDecoder(lm, f"draft:{draft_dir}", K, max_len=64, compile_mode=compile_mode)
+    return spec, spec.generate(PROMPT, n, ignore_eos=True)
+
+
+class PerturbedVerify(CompiledStep):
+    """A compiled step whose multi-token logits have their last row shifted by 0.25 (argmax unchanged)."""
+
+    def __call__(self, tokens, input_pos):
+        logits, hidden = super().__call__(tokens, input_pos)
+        return (logits + torch.arange(tokens.shape[1]).eq(tokens.shape[1] - 1)[None, :, None] * 0.25
+                if tokens.shape[1] > 1 else logits), hidden
+
+
+def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_llama_dir, monkeypatch):
+    """bf16 (eager attention): the compiled K+1-token verification rows are bitwise the compiled one-token steps'
+    on this CPU, and greedy speculation through them (the target as its own draft: every draft accepted, so every
+    verification row is used) emits compiled plain greedy decoding's tokens."""
+    _, plain = greedy(tiny_bf16, "default", n=15)
+    spec, result = speculate(tiny_bf16, tiny_llama_dir, n=15)  # the last round verifies 2 drafts
+    assert spec.differing == {K + 1: 0, K: 0} and spec.decoder.steps[K + 1].fallback is None
+    assert spec.proposer.decoder.step is not None  # the draft model's steps compiled too
+    assert result.tokens == plain and result.stats["alpha"] == 1.0
+    # negative control: a verification step one of whose rows differs is refused, though its argmax is the same
+    monkeypatch.setattr("runtime.generate.CompiledStep", PerturbedVerify)
+    with pytest.raises(UserError, match="differ bitwise .* in 1 of 4 rows .*--no-compile"):
+        speculate(tiny_bf16, tiny_llama_dir)
+
+
+def test_compiled_fp32_greedy_speculation_is_refused_in_one_line(tiny, tiny_llama_dir):
+    """fp32, mode "default": inductor's K+1-token GEMMs round differently from its one-token ones on this CPU (every
+    row, by ~1e-7; max-autotune's GEMM templates probed equal), so greedy speculation with compile is refused,
+    naming --no-compile; sampling (exact in distribution only) runs."""
+    spec = SpeculativeDecoder(tiny, f"draft:{tiny_llama_dir}", K, max_len=64, compile_mode="default")
+    with pytest.raises(UserError) as err:
+        spec.generate(PROMPT, 16, ignore_eos=True)
+    assert "\n" not in str(err.value) and "--no-compile" in str(err.value) and spec.differing[K + 1] > 0
+    spec.sampling = SamplingConfig(temperature=1.0, seed=0)
+    assert len(spec.generate(PROMPT, 16, ignore_eos=True).tokens) == 16
+
+
+def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_path, capsys, monkeypatch):
+    """``quantspec accept --compile`` and ``check-lossless --compile`` (in mode "default": max-autotune's choice of
+    kernels varies with timing): bf16 speculation through the compiled steps equals compiled plain greedy decoding
+    (the records name the mode); fp32 is refused in one line naming --no-compile."""
+    import json
+
+    from quantspec.cli import main
+
+    monkeypatch.setattr("quantspec.cli.cmd_specdec.DEFAULT_MODE", "default")
+
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "accept.json"
+    prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
+
+    def run(command, dtype, *flags):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, str(tiny_llama_dir), "--spec", f"draft:{tiny_llama_dir}", "--k", "2", "--prompts",
+                  str(prompts), "--limit", "1", "-n", "8", "--dtype", dtype, "--threads", "1", "--json", str(out),
+                  "--compile", *flags])
+        return exit_.value.code
+
+    assert run("accept", "bf16") == 0
+    record = json.loads(out.read_text())
+    assert record["engine"]["config"]["compile_mode"] == "default"
+    assert record["results"]["rows"][0]["greedy_equal"] == 1
+    assert run("check-lossless", "bf16", "--samples", "50", "--prefixes", "1", "--synthetic-samples", "1000") == 0
+    record = json.loads(out.read_text())
+    assert record["engine"]["config"]["compile_mode"] == "default" and record["results"]["greedy_mismatches"] == []
+    capsys.readouterr()
+    assert run("accept", "fp32") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--no-compile" in errors[0]

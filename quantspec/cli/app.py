@@ -17,3 +17,5 @@ SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 | dra
                                               "selfquant:SCHEME | eagle:HEAD_DIR | a registered one.")
 DtypeOption = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"bf16 or fp32 (default {DEFAULT_DTYPE}, every command).")
 DeviceOption = typer.Option("auto", "--device", help="cpu, cuda, or auto (default: cuda when torch sees a GPU).")
+CompileOption = typer.Option(False, "--compile/--no-compile", help="Decode through torch.compile'd steps (one-token, "
+                             "and speculation's K+1-token verification; each compiles on first use; prefill eager).")

@@ -11,7 +11,7 @@ from runtime.compiled import DEFAULT_MODE
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
-from quantspec.cli.app import DeviceOption, DtypeOption, ModelArgument, app
+from quantspec.cli.app import CompileOption, DeviceOption, DtypeOption, ModelArgument, app
 from evals.decode_speed import compare_decode
 from quantspec.cli.cmd_search import demo_search
 from studies.defaults import require_optuna
@@ -34,8 +34,7 @@ def generate(
     no_chat: bool = typer.Option(False, "--no-chat", help="Do not apply the chat template."),
     attention: str = typer.Option("sdpa", help="sdpa (fastest on short histories) or eager (batch-invariant: "
                                                "the text `accept` and `check-lossless` compare against in bf16)."),
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="Decode through a torch.compile'd one-token "
-                                 "step (compiles on the first step; prefill stays eager)."),
+    compile: bool = CompileOption,
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
     answer(prompt, model, dtype, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), threads,

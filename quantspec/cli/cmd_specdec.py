@@ -9,11 +9,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import quantspec
+from runtime.compiled import DEFAULT_MODE
 from runtime.data import load_prompts
 from runtime.sampling import SamplingConfig
 from specdec.lossless import ALPHA
 from specdec.sweep import parse_ks
-from quantspec.cli.app import DataDirOption, DeviceOption, DtypeOption, ModelArgument, SpecOption, app
+from quantspec.cli.app import (CompileOption, DataDirOption, DeviceOption, DtypeOption, ModelArgument, SpecOption,
+                               app)
 from quantspec.report import console, plot_sweep, print_sweep
 
 
@@ -41,6 +43,7 @@ def accept(
     json_out: str = typer.Option(None, "--json", help="Write the RunRecord here."),
     plot: str = typer.Option(None, "--plot", help="Write a PNG of α and speedup vs K."),
     data_dir: str = DataDirOption,
+    compile: bool = CompileOption,
 ):
     """Acceptance (α, τ, per position) and speedup vs K of proposer --spec on MODEL, beside Leviathan's prediction."""
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
@@ -52,7 +55,8 @@ def accept(
         task = bar.add_task("plain", total=len(texts) * (len(ks) + 1))
         record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, prompts, max_new_tokens, sampling,
                                               ignore_eos=not natural_eos,
-                                              tick=lambda what: bar.update(task, advance=1, description=what))
+                                              tick=lambda what: bar.update(task, advance=1, description=what),
+                                              compile_mode=DEFAULT_MODE if compile else None)
     print_sweep(record)
     if json_out:
         console.print(f"run record: {record.write(json_out)}")
@@ -81,6 +85,7 @@ def check_lossless(
     alpha: float = typer.Option(ALPHA, help="False-alarm bound of each distribution and acceptance test."),
     json_out: str = typer.Option(None, "--json"),
     data_dir: str = DataDirOption,
+    compile: bool = CompileOption,
 ):
     """Greedy token equality with plain decoding; sampled first steps (TV beyond the exact-sampler noise, first-
     position acceptance vs Σ min(p, q)) and a synthetic joint/bonus test, each with its detectable effect at
@@ -90,7 +95,8 @@ def check_lossless(
         task = bar.add_task("greedy equality", total=limit + prefixes * samples)
         result = quantspec.check_lossless(model, spec, k, prompts, limit, max_new_tokens, samples, prefixes,
                                           synthetic_samples, sampling, dtype, threads, alpha, data_dir,
-                                          tick=lambda what: bar.update(task, advance=1, description=what))
+                                          tick=lambda what: bar.update(task, advance=1, description=what),
+                                          compile_mode=DEFAULT_MODE if compile else None)
     table = Table(title=f"check-lossless {result.label}, K={k}, {result.precision}, false alarm <= {alpha:g} per test")
     for col in ("check", "result", "detail"):
         table.add_column(col)

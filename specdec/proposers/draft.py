@@ -47,7 +47,7 @@ class DraftModelProposer(AutoregressiveDraft):
         return self._label
 
     def attach(self, decoder):
-        self.decoder = Decoder(self.draft, decoder.max_len)
+        self.decoder = Decoder(self.draft, decoder.max_len, compile_mode=decoder.compile_mode)
         self.cached = []
 
     def reset(self):
