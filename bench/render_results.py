@@ -388,7 +388,9 @@ def render_sweeps(d: dict) -> str:
         b = s["baseline"]
         ref = b.get("reference")
         head = (f"**{s['proposer']}, T={num(s['sampling']['temperature'], 0)}** ({s['dtype']}, attention "
-                f"{s.get('attention', 'not recorded')}, {s['threads']} threads): plain {num(b['tok_s'], 1)} tok/s"
+                f"{s.get('attention', 'not recorded')}, {s['threads']} threads"
+                + (f", decode and verification steps compiled ({s['compile_mode']})" if s.get("compile_mode") else "")
+                + f"): plain {num(b['tok_s'], 1)} tok/s"
                 + (f" ({ref['attention']} plain {num(ref['tok_s'], 1)})" if ref else "")
                 + f"; best K measured {s['best_k_measured']}, theory {s['best_k_theory']}")
         if "ended" in b:

@@ -64,7 +64,8 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
                                           "threads": torch.get_num_threads(),
                                           "proposer": proposer, "sampling": vars(sampling),
                                           "compile_mode": sweep.compile_mode},
-                               warmup="one 8-token request per engine (plain and each K), excluded",
+                               warmup="one 8-token request per engine (plain and each K), excluded" + (
+                                   "; then every verification length compiled and probed" if sweep.compile_mode else ""),
                                cache_warmth="KV caches reset per request; weights resident in RAM"),
         metric=MetricCondition(METRICS, "greedy rows: tokens compared with plain greedy decoding "
                                         "(greedy_equal = identical requests); " + (

@@ -99,6 +99,16 @@ class SpeculativeDecoder:
                             f"{self.differing[n]} of {n} rows ({decoder.lm.precision}); speculate with --no-compile")
         return logits
 
+    def prepare(self, prompt_ids: list[int], k: int) -> None:
+        """Compiled: build and probe the verification step of every length a round up to ``k`` can use (drafts
+        may run short, as n-gram ones do), so that no timed round compiles. Eager: nothing to do."""
+        if self.decoder.compile_mode is None:
+            return
+        for n in range(2, k + 2):
+            self.decoder.rollback(0)
+            self.decoder.forward(prompt_ids)
+            self.verify_logits(prompt_ids[-1:] * n)
+
     def step(self, context: list[int], k: int, generator, stats: AcceptanceStats) -> list[int]:
         """One propose + verify round after ``context`` (the target cache holds all of it but the last token);
         returns the accepted draft tokens plus the target's correction or bonus token."""

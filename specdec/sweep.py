@@ -36,12 +36,11 @@ def parse_ks(text: str) -> list[int]:
 
 
 @torch.inference_mode()
-def verify_cost_curve(lm: LoadedModel, prompt_ids: list[int], max_draft: int, max_len: int,
-                      repeats: int = 7) -> list[float]:
+def verify_cost_curve(decoder: Decoder, prompt_ids: list[int], max_draft: int, repeats: int = 7) -> list[float]:
     """cost[n] = time of one target forward over n+1 new tokens / time of a 1-token decode step, after a
-    prefill of ``prompt_ids``. Sizes are interleaved and the minimum of ``repeats`` is kept: on a shared CPU
-    noise only ever adds time."""
-    decoder = Decoder(lm, max_len)
+    prefill of ``prompt_ids``, through ``decoder``'s steps (compiled ones where it compiles). Sizes are
+    interleaved and the minimum of ``repeats`` is kept: on a shared CPU noise only ever adds time."""
+    decoder.rollback(0)
     decoder.forward(prompt_ids)
     start = decoder.pos
     tokens = (prompt_ids * (max_draft + 1))[: max_draft + 1]
@@ -50,7 +49,7 @@ def verify_cost_curve(lm: LoadedModel, prompt_ids: list[int], max_draft: int, ma
         for n in range(max_draft + 1):
             decoder.rollback(start)
             t = time.perf_counter()
-            decoder.forward(tokens[: n + 1])
+            decoder.forward(tokens[: n + 1], compiled=True)
             best[n] = min(best[n], time.perf_counter() - t)
     return [b / best[0] for b in best]
 
@@ -165,7 +164,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain decoding on another build of the target too (e.g. its faster, not batch-invariant attention), so
     rows also carry the speedup over that. ``ignore_eos=False`` stops every run at the model's end of turn
     (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable.
-    ``compile_mode``: plain and speculative decoding through compiled steps (the verify cost curve stays eager)."""
+    ``compile_mode``: plain and speculative decoding, and the verify cost curve, through compiled steps, every
+    verification length compiled (and probed) before the timed runs."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
@@ -176,6 +176,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     for k in ks:
         spec.k = k
         spec.generate(*warm, ignore_eos=True)
+    spec.prepare(prompts[0], max(ks))
     base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
         base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
@@ -192,7 +193,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     # to the end of turn: also the rate over the answers the model finished, apart from runs that loop to the limit
     ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
     ended_tok_s = decode_rate([base[i] for i in ended])[0] if ended and not ignore_eos else None
-    curve = verify_cost_curve(target, prompts[0], max(ks), max_len)
+    curve = verify_cost_curve(spec.decoder, prompts[0], max(ks))
     rows = []
     for k, results in runs.items():
         stats = AcceptanceStats(k)

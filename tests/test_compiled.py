@@ -176,6 +176,20 @@ def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_
         speculate(tiny_bf16, tiny_llama_dir)
 
 
+def test_prepare_compiles_every_verification_length_before_timing(tiny_bf16, tiny_llama_dir):
+    """``prepare`` builds and probes the compiled step of every verification length up to K+1 (n-gram drafts run
+    short, and a timed round must not compile); before it, a short generation has built only the lengths it met
+    (negative control); eager decoders have nothing to prepare."""
+    spec = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64, compile_mode="default")
+    spec.generate(PROMPT, 2, ignore_eos=True)
+    assert set(spec.decoder.steps) != set(range(1, K + 2))
+    spec.prepare(PROMPT, K)
+    assert set(spec.decoder.steps) == set(range(1, K + 2)) and set(spec.differing) >= set(range(2, K + 2))
+    eager = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64)
+    eager.prepare(PROMPT, K)
+    assert eager.decoder.steps == {} and eager.differing == {}
+
+
 def test_compiled_fp32_greedy_speculation_is_refused_in_one_line(tiny, tiny_llama_dir):
     """fp32, mode "default": inductor's K+1-token GEMMs round differently from its one-token ones on this CPU (every
     row, by ~1e-7; max-autotune's GEMM templates probed equal), so greedy speculation with compile is refused,
