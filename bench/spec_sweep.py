@@ -11,6 +11,7 @@ eager), so a run with and one without it (each with its own --out) compare compi
 import argparse
 import copy
 import os
+import sys
 from pathlib import Path
 
 
@@ -81,10 +82,15 @@ if __name__ == "__main__":
     for spec in args.proposer or ["ngram:min=2,max=4", "selfquant:w4g32-asym"]:
         proposer = build_proposer(spec, lm)
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            record = quantspec.measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
-                                        f"spec_bench: first {args.per_category} of each task {tasks}",
-                                        args.max_new_tokens, SamplingConfig(temperature, seed=0), reference,
-                                        ignore_eos=not args.natural_eos, compile_mode=args.compile)
+            try:
+                record = quantspec.measure_acceptance(lm, args.model, proposer, parse_ks(args.ks), texts,
+                                                      f"spec_bench: first {args.per_category} of each task {tasks}",
+                                                      args.max_new_tokens, SamplingConfig(temperature, seed=0),
+                                                      reference, ignore_eos=not args.natural_eos,
+                                                      compile_mode=args.compile)
+            except quantspec.UserError as exc:  # e.g. compiled verification rows not bitwise the decode step's
+                print(f"error: {spec} at T={temperature}: {exc}", file=sys.stderr)
+                sys.exit(2)
             record.results["load_average_after"] = os.getloadavg()
             print_sweep(record)
             records.append(record)
