@@ -410,18 +410,25 @@ def render_sweeps(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("eagle_train_draft.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
+@bench("eagle_train_draft*.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
        "bench/train_draft.py",
        "A one-layer EAGLE-1 style head (eagle:PATH) trained on this machine under a wall-clock budget from the "
        "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped) and WikiText-2 "
-       "validation text, hidden-state regression plus token cross-entropy. Held-out acceptance is the share of "
-       "held-out positions whose first drafted token is the target's greedy token (teacher-forced). The sweep "
-       "columns are those of the speculative-decoding section.")
+       "validation text, hidden-state regression plus token cross-entropy, optionally over chains of the head's "
+       "own states (EAGLE-3's training-time test, `--ttt-steps`). Held-out acceptance is the share of held-out "
+       "positions whose drafted token is the target's greedy token (teacher-forced tokens), per chain step where "
+       "recorded (step s drafts from the head's own state after s-1 steps). The sweep columns are those of the "
+       "speculative-decoding section.")
 def render_eagle(d: dict) -> str:
     t = d["results"]["training"]
     split = d["results"]["time_split_s"]
     budget = t["budget"]
     held = " → ".join(num(e["heldout_top1"]) for e in t["epochs"])
+    chain = t["epochs"][-1].get("heldout_chain")
+    if chain:
+        held += "; last epoch per chain step: " + " / ".join(num(a) for a in chain)
+    if t["config"].get("ttt_steps", 1) > 1:
+        held += f" (trained on chains of {t['config']['ttt_steps']} steps)"
     head = (f"Training budget: answers capped at {num(budget['answer_seconds'], 0)} s, training at "
             f"{num(budget['train_seconds'], 0)} s. Time split: extraction (answers + hidden states) "
             f"{num(split['extraction'], 0)} s, training {num(split['training'], 1)} s, held-out evaluation "

@@ -51,6 +51,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draft-vocab", type=int, default=None)
+    parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps,
+                        help="Chain steps trained on the head's own states (EAGLE-3 training-time test).")
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -66,7 +68,7 @@ if __name__ == "__main__":
     cfg = TrainConfig(n_prompts=args.prompts, max_answer_tokens=args.max_answer_tokens, n_wikitext=args.wikitext,
                       epochs=args.epochs, batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
                       train_seconds=args.train_seconds, answer_seconds=args.answer_seconds,
-                      answer_batch=args.answer_batch)
+                      answer_batch=args.answer_batch, ttt_steps=args.ttt_steps)
     last = [0.0]
 
     def progress(stage, done, total, detail):

@@ -77,33 +77,68 @@ class EagleHead(nn.Module):
         self.k_cache = torch.zeros(1, a.n_kv_heads, max_len, a.head_dim, dtype=dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """embeds, hidden [B, T, dim] (the token at t+1 and the target state at t) -> predicted state at t+1."""
+    def _project(self, embeds, hidden, input_pos):
+        """(x = fc(embed | hidden), q, k, v with RoPE at input_pos)."""
         a = self.args
         x = self.fc(torch.cat((embeds, hidden), dim=-1))
-        layer = self.layers[0]
         B, T, _ = x.shape
-        attn = layer.self_attn
+        attn = self.layers[0].self_attn
         q = attn.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         cos = self.rope_cos[input_pos].to(x.dtype)
         sin = self.rope_sin[input_pos].to(x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = a.n_heads != a.n_kv_heads
-        if self.k_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            start, end = int(input_pos[0]), int(input_pos[-1]) + 1
-            self.k_cache[:, :, start:end] = k
-            self.v_cache[:, :, start:end] = v
-            keys, values = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
-            mask = torch.arange(end)[None, :] <= input_pos[:, None]
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        h = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return x, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend(self, x, q, keys, values, mask):
+        """Attention (mask None: causal) + o_proj + MLP, residuals -> the predicted states."""
+        layer = self.layers[0]
+        gqa = self.args.n_heads != self.args.n_kv_heads
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        B, T, _ = x.shape
+        h = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         m = layer.mlp
         z = layer.post_attention_layernorm(h)
         return h + m.down_proj(F.silu(m.gate_proj(z)) * m.up_proj(z))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [B, T, dim] (the token at t+1 and the target state at t) -> predicted state at t+1."""
+        x, q, k, v = self._project(embeds, hidden, input_pos)
+        if self.k_cache is None:
+            return self._attend(x, q, k, v, None)
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+        self.k_cache[:, :, start:end] = k
+        self.v_cache[:, :, start:end] = v
+        mask = torch.arange(end)[None, :] <= input_pos[:, None]
+        return self._attend(x, q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], mask)
+
+    def unroll(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): the chain drafting does, at every position of a sequence at once.
+
+        Step 1 is ``forward`` on the target's states. Step s reads, at position t, step s-1's prediction at t-1
+        (the head's own state, as when drafting token s of a chain that began after position t-s+1) and attends
+        to what the drafting head's cache would hold then: step-1 keys (real states) up to t-s+1 and step j's
+        key at t-s+j for j = 2..s (``chain_mask``). Returns the predictions of each step, [B, T, dim]; rows
+        t < s-1 of step s have no real chain start and carry no loss.
+        """
+        T = embeds.shape[1]
+        pos = torch.arange(T)
+        keys, values, preds = [], [], []
+        h = hidden
+        for s in range(1, steps + 1):
+            x, q, k, v = self._project(embeds, h, pos)
+            keys.append(k)
+            values.append(v)
+            mask = None if s == 1 else chain_mask(T, s)
+            preds.append(self._attend(x, q, torch.cat(keys, 2), torch.cat(values, 2), mask))
+            h = torch.cat((torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]), 1)
+        return preds
+
+
+def chain_mask(T: int, s: int) -> torch.Tensor:
+    """[T, s*T] keys visible to step s at position t: step 1 (real) at u <= t-s+1, step j at u = t-s+j."""
+    t, u = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return torch.cat([u <= t - s + 1] + [u == t - s + j for j in range(2, s + 1)], 1)
 
 
 def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> EagleHead:

@@ -6,9 +6,12 @@ left-padded batches by ``runtime.generate.greedy_batch``) to Alpaca instructions
 dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the target's final-norm hidden states
 over each sequence are extracted teacher-forced. Loss per position: smooth L1
 between the predicted and the target's next hidden state + ``ce_weight`` x cross-entropy of the draft's token
-distribution against the target's next-token distribution (both through the target's frozen LM head). A held-out
-slice gives a per-epoch acceptance estimate: how often the draft's first token equals the target's greedy token
-(teacher-forced, i.e. alpha at draft position 1 under greedy verification).
+distribution against the target's next-token distribution (both through the target's frozen LM head). With
+``ttt_steps`` > 1 the head is also trained on its own predictions (EAGLE-3's training-time test,
+``EagleHead.unroll``): step s of every chain is scored against the same targets, weighted 0.8^(s-1). A held-out
+slice gives a per-epoch acceptance estimate per chain step: how often the draft's token at step s equals the
+target's greedy token (teacher-forced tokens, the head's own states: acceptance at draft position s given the
+earlier ones were accepted, under greedy verification).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     answer_seconds: float | None = None  # wall-clock cap on generating the answers (fewer prompts if reached)
     answer_batch: int = 16          # prompts answered together (left-padded greedy batch)
+    ttt_steps: int = 1              # chain steps trained on the head's own states (EAGLE-3 training-time test)
 
 
 @dataclass
@@ -163,26 +167,42 @@ def _batch(items):
     return tok, hin, hout, mask
 
 
-def head_losses(head, embed, w_vocab, batch, ce_weight):
+STEP_WEIGHT = 0.8  # EAGLE-3's weighting of chain step s: 0.8^(s-1)
+EVAL_STEPS = 3  # held-out acceptance is reported for at least this many chain steps
+
+
+def head_losses(head, embed, w_vocab, batch, ce_weight, steps=1):
+    """(loss, reg, ce): step-weighted means over the chain steps of ``EagleHead.unroll``."""
     tok, hin, hout, mask = batch
-    pred = head(embed(tok), hin, torch.arange(tok.shape[1]))
-    p, t = pred[mask], hout[mask]
-    reg = F.smooth_l1_loss(p, t)
-    target_p = F.softmax(t @ w_vocab.T, -1)
-    ce = -(target_p * F.log_softmax(p @ w_vocab.T, -1)).sum(-1).mean()
+    preds = head.unroll(embed(tok), hin, steps)
+    target_p = F.softmax(hout[mask] @ w_vocab.T, -1)
+    reg = ce = norm = 0.0
+    for s, pred in enumerate(preds):
+        valid = mask.clone()
+        valid[:, :s] = False  # no chain of s+1 steps ends before position s
+        rows = valid[mask]
+        w = STEP_WEIGHT ** s
+        reg = reg + w * F.smooth_l1_loss(pred[valid], hout[valid])
+        ce = ce - w * (target_p[rows] * F.log_softmax(pred[valid] @ w_vocab.T, -1)).sum(-1).mean()
+        norm += w
+    reg, ce = reg / norm, ce / norm
     return reg + ce_weight * ce, reg, ce
 
 
 @torch.no_grad()
-def heldout_top1(head, embed, w_full, items) -> float:
-    """Share of held-out positions where the draft's greedy token (from the real state at t) is the target's."""
-    hits = total = 0
+def heldout_top1(head, embed, w_full, items, steps=1) -> list[float]:
+    """Per chain step s: share of held-out positions where the draft's greedy token (from the head's own state
+    after s-1 steps, teacher-forced tokens) is the target's."""
+    hits, total = [0] * steps, [0] * steps
     for i in range(0, len(items), 8):
         tok, hin, hout, mask = _batch(items[i : i + 8])
-        pred = head(embed(tok), hin, torch.arange(tok.shape[1]))
-        hits += int(((pred[mask] @ w_full.T).argmax(-1) == (hout[mask] @ w_full.T).argmax(-1)).sum())
-        total += int(mask.sum())
-    return hits / max(total, 1)
+        want = (hout[mask] @ w_full.T).argmax(-1)
+        for s, pred in enumerate(head.unroll(embed(tok), hin, steps)):
+            valid = mask.clone()
+            valid[:, :s] = False
+            hits[s] += int(((pred[valid] @ w_full.T).argmax(-1) == want[valid[mask]]).sum())
+            total[s] += int(valid.sum())
+    return [h / max(n, 1) for h, n in zip(hits, total)]
 
 
 def draft_vocabulary(features, vocab_size: int, n: int) -> torch.Tensor:
@@ -233,7 +253,8 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
         rng.shuffle(batches)
         sums = [0.0, 0.0, 0.0]
         for j, idx in enumerate(batches):
-            loss, reg, ce = head_losses(head, embed, w_vocab, _batch([train[i] for i in idx]), cfg.ce_weight)
+            loss, reg, ce = head_losses(head, embed, w_vocab, _batch([train[i] for i in idx]), cfg.ce_weight,
+                                        cfg.ttt_steps)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -249,13 +270,15 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
         train_s += time.perf_counter() - t_train
         t_eval = time.perf_counter()
         head.eval()
-        top1 = heldout_top1(head, embed, w_full, held) if held else float("nan")
+        n_eval = max(cfg.ttt_steps, EVAL_STEPS)
+        chain = heldout_top1(head, embed, w_full, held, n_eval) if held else [float("nan")] * n_eval
         head.train()
         eval_s += time.perf_counter() - t_eval
         n = j + 1
         epochs.append({"epoch": epoch + 1, "steps": n, "loss": sums[0] / n, "reg": sums[1] / n, "ce": sums[2] / n,
-                       "heldout_top1": top1})
-        progress("epoch", epoch + 1, cfg.epochs, f"held-out first-token acceptance {top1:.3f}")
+                       "heldout_top1": chain[0], "heldout_chain": chain})
+        progress("epoch", epoch + 1, cfg.epochs, "held-out acceptance per chain step "
+                 + " ".join(f"{a:.3f}" for a in chain))
         t_train = time.perf_counter()
         if stop:
             break

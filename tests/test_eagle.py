@@ -12,6 +12,7 @@ from runtime.data import find_data_dir
 from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt, greedy_batch
 from runtime.loading import load_model
+from specdec import eagle_head
 from specdec.eagle_head import expected_shapes, head_config, load_head, new_head, save_head
 from specdec.speculative import SpeculativeDecoder
 from specdec.train_draft import TrainConfig, alpaca_prompts, overlaps, train_head
@@ -64,6 +65,54 @@ def test_hidden_hook_leaves_logits_unchanged(tiny):
     assert torch.allclose(b.hidden[:3], hidden[0, :3], atol=1e-5)  # 3 rows vs 5: fp32 GEMMs may round apart
 
 
+def chain_error(head, embeds, hidden, steps):
+    """Largest gap between ``head.unroll`` and drafting itself: for every step s and position t, a fresh cache
+    fed the real pairs up to t-s+1, then s-1 chain steps on the head's own states (as EagleProposer drafts)."""
+    T = embeds.shape[1]
+    preds = head.unroll(embeds, hidden, steps)
+    worst = 0.0
+    for s in range(1, steps + 1):
+        for t in range(s - 1, T):
+            start = t - s + 1
+            head.setup_cache(T)
+            h = head(embeds[:, : start + 1], hidden[:, : start + 1], torch.arange(start + 1))[0, -1]
+            for pos in range(start + 1, t + 1):
+                h = head(embeds[:, pos : pos + 1], h[None, None], torch.tensor([pos]))[0, -1]
+            worst = max(worst, float((h - preds[s - 1][0, t]).abs().max()))
+    head.k_cache = head.v_cache = None
+    return worst
+
+
+@pytest.fixture
+def random_head(tiny):
+    head = new_head(tiny.config, torch.float32, seed=1)
+    torch.manual_seed(2)
+    torch.nn.init.normal_(head.fc.weight, std=0.1)  # the head's own states matter (fc starts as [0 | I])
+    d = tiny.model.args.dim
+    return head, torch.randn(1, 10, d), torch.randn(1, 10, d)
+
+
+@torch.no_grad()
+def test_training_time_test_is_the_drafting_chain(random_head):
+    """Step s of the training-time unroll at position t is exactly the drafting chain that began after t-s+1."""
+    head, embeds, hidden = random_head
+    assert chain_error(head, embeds, hidden, 3) < 1e-5
+
+
+@torch.no_grad()
+def test_negative_control_training_time_test_with_a_plain_causal_mask(random_head, monkeypatch):
+    """Steps >= 2 attending causally over their own step only (not the chain's cache) are caught."""
+    head, embeds, hidden = random_head
+    T = embeds.shape[1]
+
+    def own_step_causal(n, s):
+        return torch.cat([torch.zeros(n, (s - 1) * n, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+
+    assert own_step_causal(T, 3).shape == eagle_head.chain_mask(T, 3).shape
+    monkeypatch.setattr(eagle_head, "chain_mask", own_step_causal)
+    assert chain_error(head, embeds, hidden, 3) > 1e-3
+
+
 ANSWER_PROMPTS = PROMPTS + ["a", "Count: one two three four five six seven", "zz top"]
 
 
@@ -103,6 +152,7 @@ def test_training_writes_vllm_eagle_layout(trained, tiny):
     assert set(state) == set(expected_shapes(tiny.model.args))  # fc + layers.0.*, no lm_head / embeddings
     assert "layers.0.input_layernorm.weight" not in state  # vLLM disables it on EAGLE's first layer
     assert len(result.epochs) == FAST.epochs and all(0 <= e["heldout_top1"] <= 1 for e in result.epochs)
+    assert all(len(e["heldout_chain"]) == 3 and e["heldout_chain"][0] == e["heldout_top1"] for e in result.epochs)
     assert result.extract_s > 0 and result.train_s > 0 and result.eval_s > 0 and result.n_heldout_tokens > 0
     assert result.epochs[-1]["reg"] < result.epochs[0]["reg"]
 
@@ -273,10 +323,12 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "h"), "--prompts", "4",
               "--max-answer-tokens", "16", "--wikitext", "2", "--wikitext-len", "32", "--epochs", "1", "--batch", "2",
-              "--dtype", "fp32", "--data-dir", str(data_dir)])
+              "--dtype", "fp32", "--data-dir", str(data_dir), "--ttt-steps", "2"])
     assert exc.value.code == 0
     assert (tmp_path / "h" / "model.safetensors").exists()
-    assert "eagle:" in capsys.readouterr().out
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["quantspec_eagle"]["train"]["ttt_steps"] == 2
+    out = capsys.readouterr().out
+    assert "eagle:" in out and "per chain step" in out
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
     assert exc.value.code == 2

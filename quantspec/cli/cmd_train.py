@@ -23,6 +23,9 @@ def train_draft(
     draft_vocab: int = typer.Option(None, "--draft-vocab", help="Reduced draft vocabulary: the N most frequent "
                                                                 "tokens (EAGLE-3 d2t map); default the full one."),
     train_seconds: float = typer.Option(None, "--train-seconds", help="Wall-clock cap on the training loop."),
+    ttt_steps: int = typer.Option(quantspec.TrainConfig.ttt_steps, "--ttt-steps",
+                                  help="Chain steps trained on the head's own predicted states (EAGLE-3's "
+                                       "training-time test); 1 trains on the target's states only."),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = DtypeOption,
     threads: int = typer.Option(None),
@@ -30,11 +33,12 @@ def train_draft(
 ):
     """Train a one-layer EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
     for name, value in (("--prompts", prompts), ("--epochs", epochs), ("--batch", batch),
-                        ("--max-answer-tokens", max_answer_tokens)):
+                        ("--max-answer-tokens", max_answer_tokens), ("--ttt-steps", ttt_steps)):
         if value < 1 and not (name == "--prompts" and value == 0):
             raise quantspec.UserError(f"{name} must be >= 1, got {value}")
-    cfg = quantspec.TrainConfig(prompts, max_answer_tokens, wikitext, wikitext_len, 0.1, epochs, batch, lr, 0.1,
-                                draft_vocab, train_seconds, seed)
+    cfg = quantspec.TrainConfig(n_prompts=prompts, max_answer_tokens=max_answer_tokens, n_wikitext=wikitext,
+                                wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, draft_vocab=draft_vocab,
+                                train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps)
     lm = quantspec.load(model, dtype, threads, "eager")
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[detail]}"), console=console, transient=True)
