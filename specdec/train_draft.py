@@ -10,8 +10,9 @@ distribution against the target's next-token distribution (both through the targ
 ``ttt_steps`` > 1 the head is also trained on its own predictions (EAGLE-3's training-time test,
 ``EagleHead.unroll``): step s of every chain is scored against the same targets, weighted 0.8^(s-1). A held-out
 slice gives a per-epoch acceptance estimate per chain step: how often the draft's token at step s equals the
-target's greedy token (teacher-forced tokens, the head's own states: acceptance at draft position s given the
-earlier ones were accepted, under greedy verification).
+target's greedy token (teacher-forced tokens, the head's own states; over every position, not only those where
+the earlier steps hit, so it approximates rather than equals acceptance at draft position s given the earlier
+ones, under greedy verification).
 """
 from __future__ import annotations
 
@@ -171,6 +172,14 @@ STEP_WEIGHT = 0.8  # EAGLE-3's weighting of chain step s: 0.8^(s-1)
 EVAL_STEPS = 3  # held-out acceptance is reported for at least this many chain steps
 
 
+def chain_rows(mask: torch.Tensor, s: int) -> torch.Tensor:
+    """The positions of ``mask`` where chain step s (0-based) has a real start: no chain of s+1 steps ends
+    before position s."""
+    valid = mask.clone()
+    valid[:, :s] = False
+    return valid
+
+
 def head_losses(head, embed, w_vocab, batch, ce_weight, steps=1):
     """(loss, reg, ce): step-weighted means over the chain steps of ``EagleHead.unroll``."""
     tok, hin, hout, mask = batch
@@ -178,8 +187,7 @@ def head_losses(head, embed, w_vocab, batch, ce_weight, steps=1):
     target_p = F.softmax(hout[mask] @ w_vocab.T, -1)
     reg = ce = norm = 0.0
     for s, pred in enumerate(preds):
-        valid = mask.clone()
-        valid[:, :s] = False  # no chain of s+1 steps ends before position s
+        valid = chain_rows(mask, s)
         rows = valid[mask]
         w = STEP_WEIGHT ** s
         reg = reg + w * F.smooth_l1_loss(pred[valid], hout[valid])
@@ -198,8 +206,7 @@ def heldout_top1(head, embed, w_full, items, steps=1) -> list[float]:
         tok, hin, hout, mask = _batch(items[i : i + 8])
         want = (hout[mask] @ w_full.T).argmax(-1)
         for s, pred in enumerate(head.unroll(embed(tok), hin, steps)):
-            valid = mask.clone()
-            valid[:, :s] = False
+            valid = chain_rows(mask, s)
             hits[s] += int(((pred[valid] @ w_full.T).argmax(-1) == want[valid[mask]]).sum())
             total[s] += int(valid.sum())
     return [h / max(n, 1) for h, n in zip(hits, total)]
