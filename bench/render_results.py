@@ -413,8 +413,9 @@ def render_sweeps(d: dict) -> str:
 @bench("eagle_train_draft*.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
        "bench/train_draft.py",
        "A one-layer EAGLE-1 style head (eagle:PATH) trained on this machine under a wall-clock budget from the "
-       "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped) and WikiText-2 "
-       "validation text, hidden-state regression plus token cross-entropy, optionally over chains of the head's "
+       "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped), where recorded also "
+       "to long-context prompts in Spec-Bench's summarization and RAG shapes built from WikiText-2 validation passages "
+       "(`--context-prompts`), and WikiText-2 validation text, hidden-state regression plus token cross-entropy, optionally over chains of the head's "
        "own states (EAGLE-3's training-time test, `--ttt-steps`). Held-out acceptance is the share of held-out "
        "positions whose drafted token is the target's greedy token (teacher-forced tokens), per chain step where "
        "recorded (step s drafts from the head's own state after s-1 steps). The sweep columns are those of the "
@@ -429,11 +430,16 @@ def render_eagle(d: dict) -> str:
         held += "; last epoch per chain step: " + " / ".join(num(a) for a in chain)
     if t["config"].get("ttt_steps", 1) > 1:
         held += f" (trained on chains of {t['config']['ttt_steps']} steps)"
+    if t["config"].get("fuse_layers"):
+        held += (f"; the head fuses the outputs of target layers {', '.join(map(str, t['config']['fuse_layers']))} "
+                 "with the final state (EAGLE-3's feature fusion)")
+    answers = (f" ({num(t['n_alpaca_answers'])} Alpaca and {num(t['n_context_answers'])} long-context answers)"
+               if "n_context_answers" in t else "")
     head = (f"Training budget: answers capped at {num(budget['answer_seconds'], 0)} s, training at "
             f"{num(budget['train_seconds'], 0)} s. Time split: extraction (answers + hidden states) "
             f"{num(split['extraction'], 0)} s, training {num(split['training'], 1)} s, held-out evaluation "
             f"{num(split['heldout_evaluation'], 1)} s, Spec-Bench measurement {num(split['spec_bench_measurement'], 0)} s. "
-            f"{num(t['n_sequences'])} sequences, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
+            f"{num(t['n_sequences'])} sequences{answers}, {num(t['n_train_tokens'])} training positions, {num(t['steps'])} steps; "
             f"held-out acceptance per epoch: {held}.")
     if d["results"].get("notes"):
         head = f"Note: {d['results']['notes']}\n\n{head}"

@@ -3,7 +3,7 @@
 Usage: .venv/bin/python bench/train_draft.py [--prompts 300] [--answer-seconds 240] [--answer-batch 16] [--train-seconds 300]
        [--ks 1,2,3,4,5] [--per-category 2] [--max-new-tokens 128] [--head-dir /tmp/quantspec-eagle-head]
 Training (specdec/train_draft.py): the target's own greedy answers to Alpaca instructions (benchmark overlaps
-dropped) + WikiText-2 validation chunks; the time split (extraction, training, held-out evaluation) and the
+dropped) and to --context-prompts long-context prompts + WikiText-2 validation chunks; the time split (extraction, training, held-out evaluation) and the
 budget go into the record. Measurement: ``measure_acceptance`` (alpha, beta, tau, per-position acceptance,
 speedup vs plain decoding with the same eager attention, beside the prediction), greedy, fixed output length,
 the first --per-category questions of each Spec-Bench task. Writes bench/results/eagle_train_draft.json.
@@ -24,7 +24,7 @@ from quantspec.report import print_sweep  # noqa: E402
 from runtime.loading import load_model  # noqa: E402
 from runtime.sampling import SamplingConfig  # noqa: E402
 from specdec.sweep import parse_ks  # noqa: E402
-from specdec.train_draft import TrainConfig, train_head  # noqa: E402
+from specdec.train_draft import TrainConfig, parse_layers, train_head  # noqa: E402
 
 SPEC_BENCH = Path(__file__).parent / "spec_sweep.py"
 
@@ -53,6 +53,10 @@ if __name__ == "__main__":
     parser.add_argument("--draft-vocab", type=int, default=None)
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps,
                         help="Chain steps trained on the head's own states (EAGLE-3 training-time test).")
+    parser.add_argument("--context-prompts", type=int, default=0,
+                        help="Long-context prompts (WikiText-2 validation passages in Spec-Bench's long-context shapes).")
+    parser.add_argument("--context-len", type=int, default=TrainConfig.context_len)
+    parser.add_argument("--fuse-layers", default="", help="EAGLE-3 feature fusion: target layers the head also reads.")
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -68,7 +72,9 @@ if __name__ == "__main__":
     cfg = TrainConfig(n_prompts=args.prompts, max_answer_tokens=args.max_answer_tokens, n_wikitext=args.wikitext,
                       epochs=args.epochs, batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
                       train_seconds=args.train_seconds, answer_seconds=args.answer_seconds,
-                      answer_batch=args.answer_batch, ttt_steps=args.ttt_steps)
+                      answer_batch=args.answer_batch, ttt_steps=args.ttt_steps,
+                      n_context=args.context_prompts, context_len=args.context_len,
+                      fuse_layers=parse_layers(args.fuse_layers))
     last = [0.0]
 
     def progress(stage, done, total, detail):
@@ -89,7 +95,8 @@ if __name__ == "__main__":
         training = {**result.to_dict(), "wall_s": train_wall,
                     "budget": {"answer_seconds": args.answer_seconds, "train_seconds": args.train_seconds,
                                "prompts": args.prompts, "max_answer_tokens": args.max_answer_tokens,
-                               "answer_batch": args.answer_batch},
+                               "answer_batch": args.answer_batch,
+                               "context_prompts": args.context_prompts},
                     "head_dir": args.head_dir}
         side.write_text(json.dumps(training, indent=1))
     texts = spec_bench_prompts(args.per_category, args.data_dir)

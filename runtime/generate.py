@@ -74,18 +74,28 @@ class Decoder:
         self.compile_mode = compile_mode
         self.steps: dict[int, CompiledStep] = {1: CompiledStep(self.model, compile_mode)} if compile_mode else {}
         self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
+        self.aux_layers: tuple[int, ...] = ()  # layers whose outputs precede it in ``hidden``
 
     @property
     def step(self) -> CompiledStep | None:
         """The compiled one-token step (None without ``compile_mode``)."""
         return self.steps.get(1)
 
-    def keep_hidden(self) -> None:
-        """From now on every forward also stores the final-norm hidden state of each position it runs (rows past
-        ``pos`` after a rollback are stale and overwritten later, like the KV cache). Logits are unchanged."""
+    def keep_hidden(self, aux_layers: tuple[int, ...] = ()) -> None:
+        """From now on every forward also stores the final-norm hidden state of each position it runs, after the
+        outputs of ``aux_layers`` (concatenated; rows past ``pos`` after a rollback are stale and overwritten later,
+        like the KV cache). Logits are unchanged."""
+        aux_layers = tuple(aux_layers)
+        if self.hidden is not None and aux_layers != self.aux_layers:
+            raise UserError(f"this decoder already keeps the outputs of layers {self.aux_layers}, not {aux_layers}")
+        if aux_layers and self.compile_mode:
+            raise UserError("a fused EAGLE head reads intermediate layers, which the compiled steps do not return: "
+                            "speculate without --compile")
         if self.hidden is None:
             dtype = self.model.embed_tokens.weight.dtype
-            self.hidden = torch.zeros(self.max_len, self.model.args.dim, dtype=dtype, device=self.lm.device)
+            width = (len(aux_layers) + 1) * self.model.args.dim
+            self.hidden = torch.zeros(self.max_len, width, dtype=dtype, device=self.lm.device)
+            self.aux_layers = aux_layers
 
     def reset(self) -> None:
         self.pos = 0
@@ -112,7 +122,8 @@ class Decoder:
                 self.steps[n] = CompiledStep(self.model, self.compile_mode)
             logits, hidden = self.steps[n](ids, input_pos)
         else:
-            logits, hidden = self.model(ids, input_pos, n_layers=n_layers, return_hidden=True)
+            logits, hidden = self.model(ids, input_pos, n_layers=n_layers, return_hidden=True,
+                                        aux_layers=self.aux_layers)
         if self.hidden is not None and n_layers is None:
             self.hidden[self.pos : self.pos + n] = hidden[0]
         self.pos += n

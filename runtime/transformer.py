@@ -203,11 +203,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
-                return_hidden: bool = False, pad: torch.Tensor | None = None):
+                return_hidden: bool = False, pad: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()):
         """Logits [batch, len(input_pos), vocab] for ``tokens`` at positions ``input_pos`` (contiguous, ascending).
         ``return_hidden``: (logits, the final-norm hidden states the LM head reads) — what EAGLE heads draft from;
         the logits are the same either way. ``pad`` [batch]: left padding, row b's first pad[b] cache slots hold
-        no tokens; they are hidden from the row's queries and its RoPE positions start after them."""
+        no tokens; they are hidden from the row's queries and its RoPE positions start after them. ``aux_layers``:
+        the hidden states returned are those layers' outputs and the final-norm state, concatenated (what a fused
+        EAGLE-3 style head reads)."""
         last = int(input_pos[-1]) + 1  # keys up to the last new token (one read of the position, on any device)
         if last > self.max_len:
             raise ValueError(f"position {last - 1} exceeds the KV cache length {self.max_len}")
@@ -221,23 +223,28 @@ class Transformer(nn.Module):
             if pad is not None:  # a padding slot's query sees only itself (a row with no key would give NaN)
                 mask = mask & ((key_pos >= pad[:, None])[:, None, None, :] | (key_pos == input_pos[:, None]))
         rope_pos = None if pad is None else (input_pos - pad[:, None]).clamp(min=0)[:, None]  # [b, 1, len]
-        logits, hidden = self.run(tokens, input_pos, mask, length, n_layers, rope_pos)
+        logits, hidden = self.run(tokens, input_pos, mask, length, n_layers, rope_pos, aux_layers)
         return (logits, hidden) if return_hidden else logits
 
     def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, length: int,
-            n_layers: int | None = None, rope_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, final-norm hidden states) reading the first ``length`` cache positions under ``mask``; no
-        branch on tensor values, so ``runtime.compiled`` compiles it with ``length`` the whole cache. ``rope_pos``:
-        RoPE positions where they differ from the cache positions (left padding)."""
+            n_layers: int | None = None, rope_pos: torch.Tensor | None = None,
+            aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final-norm hidden states, after the outputs of ``aux_layers`` if any) reading the first
+        ``length`` cache positions under ``mask``; no branch on tensor values, so ``runtime.compiled`` compiles it
+        with ``length`` the whole cache. ``rope_pos``: RoPE positions where they differ from the cache positions
+        (left padding)."""
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
         attend = ATTENTION.get(self.attn_implementation)
-        for layer in self.layers[:depth]:
+        aux = []
+        for i, layer in enumerate(self.layers[:depth]):
             x = layer(x, cos, sin, input_pos, mask, length, attend)
+            if i in aux_layers:
+                aux.append(x)
         hidden = self.norm(x)
-        return self.lm_head(hidden), hidden
+        return self.lm_head(hidden), torch.cat((*aux, hidden), -1) if aux else hidden
 
 
 def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

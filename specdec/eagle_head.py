@@ -6,6 +6,11 @@ first layer) and no final norm; the token embedding and the LM head are the targ
 hidden state it reads and predicts is the target's final-norm hidden state (what the target's LM head reads), so
 the head's output goes straight through the target's LM head.
 
+EAGLE-3's feature fusion, optionally (``fuse_layers``): at real positions the head reads ``fuse(concat(outputs of
+the target's layers fuse_layers..., final-norm state))`` [dim, (n+1)*dim] instead of the final-norm state alone;
+its own predicted states (chain steps after the first) go in unfused, as in vLLM's ``llama_eagle3.py``. Such a
+head is quantspec's layout (vLLM's EAGLE-1 loader does not read ``fuse.weight``).
+
 A head file is data, never code: ``model.safetensors`` + ``config.json``, every shape checked against the target.
 An optional reduced draft vocabulary follows EAGLE-3's ``d2t`` convention (target id = draft id + d2t[draft id]):
 the draft then computes only those rows of the target's LM head.
@@ -29,7 +34,8 @@ from runtime.transformer import ModelArgs, RMSNorm, apply_rope, rope_tables
 WEIGHTS = "model.safetensors"
 
 
-def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict | None = None) -> dict:
+def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict | None = None,
+                fuse_layers: tuple[int, ...] = ()) -> dict:
     """The head's config.json: the target's Llama config with one layer (what vLLM's EAGLE loader reads)."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "head_dim", "bos_token_id",
@@ -40,6 +46,8 @@ def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict
     if draft_vocab:
         cfg["draft_vocab_size"] = draft_vocab
     cfg["quantspec_eagle"] = {"kind": "eagle1", "hidden": "final-norm", **(extra or {})}
+    if fuse_layers:
+        cfg["quantspec_eagle"].update(kind="eagle1+fused", fuse_layers=list(fuse_layers))
     return cfg
 
 
@@ -48,10 +56,13 @@ class EagleHead(nn.Module):
     cache (``setup_cache``) it runs incrementally at explicit positions, without one it is causal over the
     sequence (training)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, fuse_layers: tuple[int, ...] = ()):
         super().__init__()
         self.args = args
+        self.fuse_layers = tuple(fuse_layers)
         d, hd = args.dim, args.head_dim
+        if fuse_layers:
+            self.fuse = nn.Linear((len(fuse_layers) + 1) * d, d, bias=False)
         self.fc = nn.Linear(2 * d, d, bias=False)
         layer = nn.Module()
         attn = nn.Module()
@@ -78,8 +89,10 @@ class EagleHead(nn.Module):
         self.v_cache = torch.zeros_like(self.k_cache)
 
     def _project(self, embeds, hidden, input_pos):
-        """(x = fc(embed | hidden), q, k, v with RoPE at input_pos)."""
+        """(x = fc(embed | hidden), q, k, v with RoPE at input_pos); target states wider than dim are fused first."""
         a = self.args
+        if hidden.shape[-1] != a.dim:
+            hidden = self.fuse(hidden)
         x = self.fc(torch.cat((embeds, hidden), dim=-1))
         B, T, _ = x.shape
         attn = self.layers[0].self_attn
@@ -102,7 +115,8 @@ class EagleHead(nn.Module):
         return h + m.down_proj(F.silu(m.gate_proj(z)) * m.up_proj(z))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """embeds, hidden [B, T, dim] (the token at t+1 and the target state at t) -> predicted state at t+1."""
+        """embeds [B, T, dim], hidden [B, T, dim or fused width] (the token at t+1 and the target state at t) ->
+        predicted state at t+1 [B, T, dim]."""
         x, q, k, v = self._project(embeds, hidden, input_pos)
         if self.k_cache is None:
             return self._attend(x, q, k, v, None)
@@ -141,17 +155,24 @@ def chain_mask(T: int, s: int) -> torch.Tensor:
     return torch.cat([u <= t - s + 1] + [u == t - s + j for j in range(2, s + 1)], 1)
 
 
-def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0) -> EagleHead:
-    """A freshly initialised head for a target (fc starts as [0 | I]: the target's own state passes through)."""
+def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0,
+             fuse_layers: tuple[int, ...] = ()) -> EagleHead:
+    """A freshly initialised head for a target (fc starts as [0 | I] and fuse as [0 ... | I]: the target's own
+    final state passes through)."""
     args = ModelArgs.from_hf_config(target_config)
+    n_layers = target_config["num_hidden_layers"]
+    bad = [i for i in fuse_layers if not 0 <= i < n_layers - 1]
+    if bad:
+        raise UserError(f"--fuse-layers {bad[0]}: the target has layers 0..{n_layers - 2} before its last")
     torch.manual_seed(seed)
-    head = EagleHead(args)
+    head = EagleHead(args, fuse_layers)
     with torch.no_grad():
         d = args.dim
-        head.fc.weight.zero_()
-        head.fc.weight[:, d:] = torch.eye(d)
+        for fc in ((head.fc, head.fuse) if fuse_layers else (head.fc,)):
+            fc.weight.zero_()
+            fc.weight[:, -d:] = torch.eye(d)
         for name, p in head.named_parameters():
-            if p.dim() == 2 and not name.startswith("fc"):
+            if p.dim() == 2 and not name.startswith(("fc", "fuse")):
                 nn.init.normal_(p, std=0.02)
         for name in ("o_proj", "down_proj"):
             for n, p in head.named_parameters():
@@ -187,7 +208,7 @@ def save_head(head: EagleHead, out: Path, config: dict, d2t: torch.Tensor | None
     return out
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+def expected_shapes(args: ModelArgs, fuse_layers: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
     d, hd, inter = args.dim, args.head_dim, args.intermediate_size
     shapes = {"fc.weight": (d, 2 * d),
               "layers.0.self_attn.q_proj.weight": (args.n_heads * hd, d),
@@ -200,6 +221,8 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes.update({"layers.0.self_attn.q_proj.bias": (args.n_heads * hd,),
                        "layers.0.self_attn.k_proj.bias": (args.n_kv_heads * hd,),
                        "layers.0.self_attn.v_proj.bias": (args.n_kv_heads * hd,)})
+    if fuse_layers:
+        shapes["fuse.weight"] = (d, (len(fuse_layers) + 1) * d)
     return shapes
 
 
@@ -247,7 +270,13 @@ def load_head(path: str | Path, target_config: dict, dtype: torch.dtype) -> tupl
     state.pop("d2t", None)
     state.pop("t2d", None)
     state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens", "lm_head"))}  # the target's are used
-    shapes = expected_shapes(args)
+    fuse_layers = tuple(cfg.get("quantspec_eagle", {}).get("fuse_layers", ()))
+    n_layers = target_config["num_hidden_layers"]
+    bad = [i for i in fuse_layers if not isinstance(i, int) or not 0 <= i < n_layers - 1]
+    if bad:
+        raise UserError(f"eagle head {path} fuses layer {bad[0]}; the target has layers 0..{n_layers - 2} before "
+                        "its last: train a head for this target")
+    shapes = expected_shapes(args, fuse_layers)
     missing = sorted(set(shapes) - set(state))
     extra = sorted(set(state) - set(shapes))
     if missing or extra:
@@ -256,6 +285,6 @@ def load_head(path: str | Path, target_config: dict, dtype: torch.dtype) -> tupl
         if tuple(state[name].shape) != shape:
             raise UserError(f"eagle head {path}: {name} has shape {tuple(state[name].shape)}, expected {shape} for "
                             "this target")
-    head = EagleHead(args)
+    head = EagleHead(args, fuse_layers)
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return head.to(dtype).eval(), d2t, cfg

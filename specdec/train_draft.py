@@ -3,7 +3,9 @@
 Training set: the target's own greedy answers (self-distillation, through its chat template, generated in
 left-padded batches by ``runtime.generate.greedy_batch``) to Alpaca instructions from the data dir
 (``alpaca/alpaca_5000.json``, training prompts only; any instruction overlapping a Spec-Bench or MT-Bench turn is
-dropped, GSM8K is never read) plus chunks of WikiText-2 validation text; the target's final-norm hidden states
+dropped, GSM8K is never read) and, with ``n_context``, to long-context prompts shaped like Spec-Bench's
+summarization and RAG turns but built from WikiText-2 validation passages; plus chunks of WikiText-2 validation
+text. The target's final-norm hidden states
 over each sequence are extracted teacher-forced. Loss per position: smooth L1
 between the predicted and the target's next hidden state + ``ce_weight`` x cross-entropy of the draft's token
 distribution against the target's next-token distribution (both through the target's frozen LM head). With
@@ -20,7 +22,7 @@ import json
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -38,23 +40,45 @@ WIKITEXT_VALID = "wikitext2/tokens/valid.txt"
 Progress = Callable[[str, int, int, str], None]  # (stage, done, total, detail)
 
 
+def _at_least(lo: int, flag: str) -> dict:
+    """Field metadata: the smallest allowed value and the CLI flag an error names."""
+    return {"min": lo, "flag": flag}
+
+
 @dataclass
 class TrainConfig:
-    n_prompts: int = 200            # Alpaca instructions answered by the target
-    max_answer_tokens: int = 64     # greedy answer length cap (stops at end of turn)
-    n_wikitext: int = 32            # WikiText-2 validation chunks
-    wikitext_len: int = 128         # tokens per chunk
+    n_prompts: int = field(default=200, metadata=_at_least(0, "--prompts"))  # Alpaca instructions answered
+    max_answer_tokens: int = field(default=64, metadata=_at_least(1, "--max-answer-tokens"))  # stops at end of turn
+    n_wikitext: int = field(default=32, metadata=_at_least(0, "--wikitext"))  # WikiText-2 validation chunks
+    wikitext_len: int = field(default=128, metadata=_at_least(2, "--wikitext-len"))  # tokens per chunk
     holdout: float = 0.1            # fraction of sequences held out for the acceptance estimate
-    epochs: int = 4
-    batch: int = 8                  # sequences per step
+    epochs: int = field(default=4, metadata=_at_least(1, "--epochs"))
+    batch: int = field(default=8, metadata=_at_least(1, "--batch"))  # sequences per step
     lr: float = 1e-3
     ce_weight: float = 0.1          # EAGLE's weighting: regression 1.0, classification 0.1
     draft_vocab: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t): the N most frequent target tokens
     train_seconds: float | None = None  # wall-clock cap on the training loop (stops mid-epoch)
     seed: int = 0
     answer_seconds: float | None = None  # wall-clock cap on generating the answers (fewer prompts if reached)
-    answer_batch: int = 16          # prompts answered together (left-padded greedy batch)
-    ttt_steps: int = 1              # chain steps trained on the head's own states (EAGLE-3 training-time test)
+    answer_batch: int = field(default=16, metadata=_at_least(1, "--answer-batch"))  # prompts answered together
+    ttt_steps: int = field(default=1, metadata=_at_least(1, "--ttt-steps"))  # EAGLE-3 training-time test steps
+    n_context: int = field(default=0, metadata=_at_least(0, "--context-prompts"))  # long-context task prompts
+    context_len: int = field(default=384, metadata=_at_least(16, "--context-len"))  # passage tokens per prompt
+    fuse_layers: tuple[int, ...] = ()  # target layers whose outputs the head fuses with the final state (EAGLE-3)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, lo = getattr(self, f.name), f.metadata.get("min")
+            if lo is not None and value is not None and value < lo:
+                raise UserError(f"{f.metadata['flag']} must be >= {lo}, got {value}")
+
+
+def parse_layers(text: str | None) -> tuple[int, ...]:
+    """"2,15" -> (2, 15): the --fuse-layers value."""
+    try:
+        return tuple(int(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--fuse-layers takes comma-separated layer indices like 2,15, got {text!r}") from None
 
 
 @dataclass
@@ -65,6 +89,8 @@ class TrainResult:
     n_train_tokens: int
     n_heldout_tokens: int
     n_dropped_prompts: int
+    n_alpaca_answers: int  # prompts answered within the answer cap, per source
+    n_context_answers: int
     extract_s: float
     train_s: float
     eval_s: float
@@ -121,26 +147,75 @@ def wikitext_chunks(lm: LoadedModel, n: int, length: int, data_dir=None) -> list
     return [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)][:n]
 
 
+MAX_PROMPT_TOKENS = 512  # a longer prompt keeps its last tokens
+DETOKENIZE = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" <unk>", ""), (" ,", ","), (" .", "."), (" ;", ";"),
+              (" :", ":"), (" 's", "'s"), ("( ", "("), (" )", ")"))
+
+
+def wikitext_articles(data_dir=None) -> list[tuple[str, str]]:
+    """(title, body) of every WikiText-2 validation article, its tokenization undone."""
+    articles = []
+    for line in data_file(WIKITEXT_VALID, data_dir).read_text().splitlines():
+        heading = re.fullmatch(r" = ([^=].*) = ", line)
+        if heading:
+            articles.append((heading.group(1), ""))
+        elif articles and line.strip() and not line.startswith(" = "):
+            articles[-1] = (articles[-1][0], articles[-1][1] + line.strip() + "\n")
+    for a, b in DETOKENIZE:
+        articles = [(title.replace(a, b), body.replace(a, b)) for title, body in articles]
+    return articles
+
+
+def context_prompts(tokenizer, n: int, length: int, data_dir=None, seed: int = 0) -> list[str]:
+    """n long-context prompts in the shapes of Spec-Bench's long-context tasks, on WikiText-2 validation passages
+    of ``length`` tokens (training text, no benchmark's): "Summarize: PASSAGE" and "PASSAGE\nQUESTION"."""
+    if n <= 0:
+        return []
+    passages = []
+    for title, body in wikitext_articles(data_dir):
+        ids = tokenizer.encode(body, add_special_tokens=False)
+        passages += [(title, tokenizer.decode(ids[i : i + length]).strip())
+                     for i in range(0, len(ids) - length + 1, length)]
+    random.Random(seed).shuffle(passages)
+    shapes = (lambda title, text: f"Summarize: {text}",
+              lambda title, text: f"{text}\nWhat does the text say about {title}?")
+    return [shapes[i % len(shapes)](*passages[i % len(passages)]) for i in range(n)]
+
+
+def interleave(a: list, b: list) -> list:
+    """``a`` and ``b`` merged, each in its own order, spread evenly through each other."""
+    keyed = [((i + 0.5) / len(a), 0, i) for i in range(len(a))] + [((j + 0.5) / len(b), 1, j) for j in range(len(b))]
+    return [(a, b)[src][i] for _, src, i in sorted(keyed)]
+
+
 def build_sequences(lm: LoadedModel, cfg: TrainConfig, data_dir=None, progress: Progress = lambda *a: None):
-    """Token sequences (prompt + the target's own greedy answer; WikiText chunks) and the dropped-prompt count."""
+    """Token sequences (prompt + the target's own greedy answer; WikiText chunks), the dropped-prompt count and
+    the answers per source (Alpaca, long-context). Batches of either source alternate, so a time cap cuts both."""
     prompts, dropped = alpaca_prompts(cfg.n_prompts, data_dir, cfg.seed)
-    seqs = []
+    contexts = context_prompts(lm.tokenizer, cfg.n_context, cfg.context_len, data_dir, cfg.seed)
+    size = cfg.answer_batch
+    batches = interleave([("alpaca", prompts[i : i + size]) for i in range(0, len(prompts), size)],
+                         [("context", contexts[i : i + size]) for i in range(0, len(contexts), size)])
+    seqs, answered = [], {"alpaca": 0, "context": 0}
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), cfg.answer_batch):
+    for source, texts in batches:
         if cfg.answer_seconds is not None and time.perf_counter() - t0 > cfg.answer_seconds:
             break
-        batch = [encode_prompt(lm.tokenizer, text)[-512:] for text in prompts[i : i + cfg.answer_batch]]
+        batch = [encode_prompt(lm.tokenizer, text)[-MAX_PROMPT_TOKENS:] for text in texts]
         seqs += [ids + answer for ids, answer in zip(batch, greedy_batch(lm, batch, cfg.max_answer_tokens))]
-        progress("answers", len(seqs), len(prompts), "self-distillation")
+        answered[source] += len(texts)
+        progress("answers", len(seqs), len(prompts) + len(contexts), "self-distillation")
     seqs += wikitext_chunks(lm, cfg.n_wikitext, cfg.wikitext_len, data_dir)
-    return seqs, dropped
+    return seqs, dropped, answered
 
 
 @torch.inference_mode()
-def extract_features(lm: LoadedModel, seqs: list[list[int]], progress: Progress = lambda *a: None):
-    """Teacher-forced final-norm hidden states: [(ids [n], hidden [n, dim] bf16)] per sequence."""
+def extract_features(lm: LoadedModel, seqs: list[list[int]], progress: Progress = lambda *a: None,
+                     fuse_layers: tuple[int, ...] = ()):
+    """Teacher-forced hidden states: [(ids [n], hidden [n, width] bf16)] per sequence: the outputs of
+    ``fuse_layers`` and the final-norm state, concatenated (width = (len(fuse_layers) + 1) * dim)."""
     decoder = Decoder(lm, max(len(s) for s in seqs))
-    decoder.keep_hidden()
+    decoder.keep_hidden(fuse_layers)
     out = []
     for i, seq in enumerate(seqs):
         decoder.reset()
@@ -150,20 +225,21 @@ def extract_features(lm: LoadedModel, seqs: list[list[int]], progress: Progress 
     return out
 
 
-def _batch(items):
-    """Pad to the longest: embeds' token ids [B, T-1] (t+1), inputs [B, T-1, d] (h_t), targets (h_{t+1}), mask."""
+def _batch(items, dim: int):
+    """Pad to the longest: embeds' token ids [B, T-1] (t+1), inputs [B, T-1, width] (h_t, fused features
+    included), targets [B, T-1, dim] (the final-norm h_{t+1}), mask."""
     T = max(len(ids) for ids, _ in items)
-    d = items[0][1].shape[1]
+    width = items[0][1].shape[1]
     B = len(items)
     tok = torch.zeros(B, T - 1, dtype=torch.long)
-    hin = torch.zeros(B, T - 1, d)
-    hout = torch.zeros(B, T - 1, d)
+    hin = torch.zeros(B, T - 1, width)
+    hout = torch.zeros(B, T - 1, dim)
     mask = torch.zeros(B, T - 1, dtype=torch.bool)
     for b, (ids, h) in enumerate(items):
         n = len(ids) - 1
         tok[b, :n] = ids[1:]
         hin[b, :n] = h[:-1].float()
-        hout[b, :n] = h[1:].float()
+        hout[b, :n] = h[1:, -dim:].float()
         mask[b, :n] = True
     return tok, hin, hout, mask
 
@@ -203,7 +279,7 @@ def heldout_top1(head, embed, w_full, items, steps=1) -> list[float]:
     after s-1 steps, teacher-forced tokens) is the target's."""
     hits, total = [0] * steps, [0] * steps
     for i in range(0, len(items), 8):
-        tok, hin, hout, mask = _batch(items[i : i + 8])
+        tok, hin, hout, mask = _batch(items[i : i + 8], w_full.shape[1])
         want = (hout[mask] @ w_full.T).argmax(-1)
         for s, pred in enumerate(head.unroll(embed(tok), hin, steps)):
             valid = chain_rows(mask, s)
@@ -227,9 +303,10 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
     """Build the training set from ``lm``, train a head, save it to ``out`` (safetensors + config.json)."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    seqs, dropped = build_sequences(lm, cfg, data_dir, progress)
+    head = new_head(lm.config, torch.float32, cfg.seed, cfg.fuse_layers).train()  # checks fuse_layers first
+    seqs, dropped, answered = build_sequences(lm, cfg, data_dir, progress)
     seqs = [s for s in seqs if len(s) >= 2]
-    features = extract_features(lm, seqs, progress)
+    features = extract_features(lm, seqs, progress, cfg.fuse_layers)
     extract_s = time.perf_counter() - t0
     random.Random(cfg.seed).shuffle(features)
     n_held = max(1, int(len(features) * cfg.holdout)) if len(features) > 1 else 0
@@ -245,7 +322,6 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
         ids = draft_vocabulary(train, model.args.vocab_size, cfg.draft_vocab)
         d2t = ids - torch.arange(len(ids))
         w_vocab = w_full[ids]
-    head = new_head(lm.config, torch.float32, cfg.seed).train()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = -(-len(train) // cfg.batch)
     total_steps = steps_per_epoch * cfg.epochs
@@ -260,7 +336,8 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
         rng.shuffle(batches)
         sums = [0.0, 0.0, 0.0]
         for j, idx in enumerate(batches):
-            loss, reg, ce = head_losses(head, embed, w_vocab, _batch([train[i] for i in idx]), cfg.ce_weight,
+            loss, reg, ce = head_losses(head, embed, w_vocab, _batch([train[i] for i in idx], w_full.shape[1]),
+                                        cfg.ce_weight,
                                         cfg.ttt_steps)
             opt.zero_grad()
             loss.backward()
@@ -291,6 +368,8 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
             break
     extra = {"target": target_name or str(lm.path), "train": asdict(cfg), "heldout_top1": epochs[-1]["heldout_top1"],
              "steps": steps}
-    save_head(head.eval(), Path(out), head_config(lm.config, len(w_vocab) if d2t is not None else None, extra), d2t)
+    save_head(head.eval(), Path(out), head_config(lm.config, len(w_vocab) if d2t is not None else None, extra,
+                                                        cfg.fuse_layers), d2t)
     return TrainResult(str(out), asdict(cfg), len(features), sum(len(i) - 1 for i, _ in train),
-                       sum(len(i) - 1 for i, _ in held), dropped, extract_s, train_s, eval_s, steps, epochs)
+                       sum(len(i) - 1 for i, _ in held), dropped, answered["alpaca"],
+                       answered["context"], extract_s, train_s, eval_s, steps, epochs)

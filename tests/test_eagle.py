@@ -15,7 +15,8 @@ from runtime.loading import load_model
 from specdec import eagle_head
 from specdec.eagle_head import expected_shapes, head_config, load_head, new_head, save_head
 from specdec.speculative import SpeculativeDecoder
-from specdec.train_draft import TrainConfig, alpaca_prompts, overlaps, train_head
+from specdec.train_draft import (TrainConfig, alpaca_prompts, benchmark_turns, context_prompts, overlaps, train_head,
+                                 wikitext_articles)
 from quantspec.cli import main
 
 FAST = TrainConfig(n_prompts=16, max_answer_tokens=48, n_wikitext=8, wikitext_len=64, epochs=10, batch=4, lr=1e-2)
@@ -83,13 +84,18 @@ def chain_error(head, embeds, hidden, steps):
     return worst
 
 
-@pytest.fixture
-def random_head(tiny):
-    head = new_head(tiny.config, torch.float32, seed=1)
+@pytest.fixture(params=[(), (0,)], ids=["final-state", "fused"])
+def random_head(tiny, request):
+    """(a head with random fc (and fuse), embeds, target states): fused heads read wider target states at real
+    positions and their own dim-wide states along the chain."""
+    fuse_layers = request.param
+    head = new_head(tiny.config, torch.float32, seed=1, fuse_layers=fuse_layers)
     torch.manual_seed(2)
     torch.nn.init.normal_(head.fc.weight, std=0.1)  # the head's own states matter (fc starts as [0 | I])
+    if fuse_layers:
+        torch.nn.init.normal_(head.fuse.weight, std=0.1)
     d = tiny.model.args.dim
-    return head, torch.randn(1, 10, d), torch.randn(1, 10, d)
+    return head, torch.randn(1, 10, d), torch.randn(1, 10, d * (len(fuse_layers) + 1))
 
 
 @torch.no_grad()
@@ -272,6 +278,28 @@ def test_benchmark_overlap_filter(data_dir):
     assert dropped >= 1 and len(prompts) + dropped == 5000
 
 
+def test_context_prompts_are_training_text(tiny, data_dir):
+    """Long-context prompts come from WikiText-2 validation passages of the asked length, in both shapes, and
+    overlap no benchmark turn."""
+    prompts = context_prompts(tiny.tokenizer, 6, 48, data_dir)
+    assert len(set(prompts)) == 6
+    assert all(p.startswith("Summarize: ") for p in prompts[::2])
+    assert all(p.endswith("?") and "\nWhat does the text say about " in p for p in prompts[1::2])
+    passage = prompts[0].removeprefix("Summarize: ")
+    bodies = "".join(body for _, body in wikitext_articles(data_dir)).replace(" ", "")
+    assert passage.replace(" ", "")[:30] in bodies  # (the tiny tokenizer decodes with spaces between characters)
+    turns = benchmark_turns(data_dir)
+    assert not any(overlaps(p, turns) for p in prompts)
+
+
+def test_train_config_refuses_bad_values_in_one_line():
+    """Checked where the configuration is built, so the Python API and the CLI refuse alike (naming the flag)."""
+    for name, flag in (("ttt_steps", "--ttt-steps"), ("epochs", "--epochs"), ("answer_batch", "--answer-batch")):
+        with pytest.raises(UserError, match=f"^{flag} must be >= 1, got 0$"):
+            TrainConfig(**{name: 0})
+    assert TrainConfig(n_prompts=0, n_context=0).n_prompts == 0
+
+
 def _bad_heads(tiny, trained, root):
     """(dir, expected error fragment) for heads that must be refused."""
     out, _ = trained
@@ -291,6 +319,12 @@ def _bad_heads(tiny, trained, root):
     (nod2t / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()),
                                                    "draft_vocab_size": 32}))
     cases.append((nod2t, "no d2t"))
+    layers = root / "layers"  # fuses a layer this target does not have
+    layers.mkdir()
+    (layers / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    cfg = json.loads((out / "config.json").read_text())
+    (layers / "config.json").write_text(json.dumps({**cfg, "quantspec_eagle": {"fuse_layers": [5]}}))
+    cases.append((layers, "fuses layer 5;"))
     pickled = root / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text((out / "config.json").read_text())
@@ -323,15 +357,76 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "h"), "--prompts", "4",
               "--max-answer-tokens", "16", "--wikitext", "2", "--wikitext-len", "32", "--epochs", "1", "--batch", "2",
-              "--dtype", "fp32", "--data-dir", str(data_dir), "--ttt-steps", "2"])
+              "--dtype", "fp32", "--data-dir", str(data_dir), "--ttt-steps", "2", "--context-prompts", "2",
+              "--context-len", "32", "--fuse-layers", "0"])
     assert exc.value.code == 0
     assert (tmp_path / "h" / "model.safetensors").exists()
     assert json.loads((tmp_path / "h" / "config.json").read_text())["quantspec_eagle"]["train"]["ttt_steps"] == 2
+    saved = json.loads((tmp_path / "h" / "config.json").read_text())["quantspec_eagle"]
+    assert saved["train"]["n_context"] == 2 and saved["fuse_layers"] == [0]
     out = capsys.readouterr().out
-    assert "eagle:" in out and "per chain step" in out
+    assert "eagle:" in out and "per chain step" in out and "4 Alpaca and 2 long-context answers" in out
     with pytest.raises(SystemExit) as exc:
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
     assert exc.value.code == 2
+
+
+# ---- EAGLE-3 feature fusion ----
+
+def test_decoder_keeps_the_fused_layers_outputs(tiny):
+    """``keep_hidden((0,))`` stores layer 0's output, then the final-norm state, for every position; logits are
+    unchanged. Negative control: the other layer's output is not what it stored."""
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, n=n: outputs.__setitem__(n, o[0]))
+             for n, layer in enumerate(tiny.model.layers)]
+    try:
+        plain, fused = Decoder(tiny, 64), Decoder(tiny, 64)
+        plain.keep_hidden()
+        fused.keep_hidden((0,))
+        ids = [1, 5, 9, 40, 7]
+        assert torch.equal(plain.forward(ids), fused.forward(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    d = tiny.model.args.dim
+    assert fused.hidden.shape[1] == 2 * d
+    assert torch.equal(fused.hidden[:5, -d:], plain.hidden[:5])
+    assert torch.equal(fused.hidden[:5, :d], outputs[0])
+    assert not torch.allclose(fused.hidden[:5, :d], outputs[1], atol=1e-3)
+    with pytest.raises(UserError, match="already keeps"):
+        fused.keep_hidden((1,))
+    with pytest.raises(UserError, match="without --compile"):
+        Decoder(tiny, 64, compile_mode="default").keep_hidden((0,))
+
+
+@pytest.fixture(scope="module")
+def fused(tiny, data_dir, tmp_path_factory):
+    from dataclasses import replace
+
+    out = tmp_path_factory.mktemp("fused")
+    return out, train_head(tiny, out, replace(FAST, epochs=4, fuse_layers=(0,)), data_dir)
+
+
+def test_fused_head_layout_and_exact_drafting(fused, tiny):
+    """A fused head saves fuse.weight [dim, 2*dim] and the layers it reads; speculation with it is token-exact;
+    vLLM's EAGLE-1 loader (which has no fuse.weight) is refused in one line; another target's layer count too."""
+    from evals.backends.base import ServingConfig
+    from evals.backends.vllm_engine import speculative_config
+
+    out, result = fused
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantspec_eagle"]["fuse_layers"] == [0] and result.config["fuse_layers"] == (0,)
+    d = tiny.model.args.dim
+    assert load_file(out / "model.safetensors")["fuse.weight"].shape == (d, 2 * d)
+    sd = SpeculativeDecoder(tiny, f"eagle:{out}", 3)
+    for p in PROMPTS[:2]:
+        ids = tiny.tokenizer.encode(p)
+        assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
+    assert sd.decoder.hidden.shape[1] == 2 * d
+    with pytest.raises(UserError, match="fuses the target's layers"):
+        speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=f"eagle:{out}", k=3, max_model_len=256))
+    with pytest.raises(UserError, match="target has layers 0..0 before its last"):
+        new_head(tiny.config, fuse_layers=(1,))
 
 
 # ---- the search-space axis ----

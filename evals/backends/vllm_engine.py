@@ -86,6 +86,10 @@ def vllm_eagle_head(arg: str) -> str:
     if not config.is_file():
         raise UserError(f"eagle:{path}: no config.json there; train a head with quantspec train-draft")
     cfg = json.loads(config.read_text())
+    if cfg.get("quantspec_eagle", {}).get("fuse_layers"):
+        layers = ",".join(map(str, cfg["quantspec_eagle"]["fuse_layers"]))
+        raise UserError(f"eagle:{path}: a head that fuses the target's layers {layers} (EAGLE-3 style) is "
+                        "quantspec's layout, not vLLM's EAGLE-1 one; use --backend native")
     if cfg.get("draft_vocab_size", cfg.get("vocab_size")) != cfg.get("vocab_size"):
         raise UserError(f"eagle:{path}: a reduced draft vocabulary (d2t) is EAGLE-3's, which vLLM's EAGLE-1 loader "
                         "does not read; train without --draft-vocab for vLLM, or use --backend native")

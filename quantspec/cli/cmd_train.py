@@ -7,6 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import quantspec
 from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, app
 from quantspec.report import console
+from specdec.train_draft import parse_layers
 
 
 @app.command("train-draft")
@@ -26,19 +27,26 @@ def train_draft(
     ttt_steps: int = typer.Option(quantspec.TrainConfig.ttt_steps, "--ttt-steps",
                                   help="Chain steps trained on the head's own predicted states (EAGLE-3's "
                                        "training-time test); 1 trains on the target's states only."),
+    context_prompts: int = typer.Option(0, "--context-prompts",
+                                        help="Long-context prompts (summarize / answer about a WikiText-2 validation "
+                                             "passage, Spec-Bench's long-context shapes) the target also answers."),
+    context_len: int = typer.Option(quantspec.TrainConfig.context_len, "--context-len",
+                                    help="Passage tokens per long-context prompt."),
+    fuse_layers: str = typer.Option("", "--fuse-layers",
+                                    help="EAGLE-3 feature fusion: target layers (0-based) whose outputs the head reads "
+                                         "with the final state, e.g. 2,15 for a 30-layer target (low, middle; the "
+                                         "final state is the high one). Native backend only."),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = DtypeOption,
     threads: int = typer.Option(None),
     data_dir: str = DataDirOption,
 ):
     """Train a one-layer EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
-    for name, value in (("--prompts", prompts), ("--epochs", epochs), ("--batch", batch),
-                        ("--max-answer-tokens", max_answer_tokens), ("--ttt-steps", ttt_steps)):
-        if value < 1 and not (name == "--prompts" and value == 0):
-            raise quantspec.UserError(f"{name} must be >= 1, got {value}")
     cfg = quantspec.TrainConfig(n_prompts=prompts, max_answer_tokens=max_answer_tokens, n_wikitext=wikitext,
                                 wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, draft_vocab=draft_vocab,
-                                train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps)
+                                train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps,
+                                n_context=context_prompts, context_len=context_len,
+                                fuse_layers=parse_layers(fuse_layers))
     lm = quantspec.load(model, dtype, threads, "eager")
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[detail]}"), console=console, transient=True)
@@ -54,7 +62,8 @@ def train_draft(
 
     with bar:
         result = quantspec.train_draft(lm, out, cfg, data_dir, progress, target_name=model)
-    console.print(f"{result.n_sequences} sequences ({result.n_train_tokens} training positions, "
+    console.print(f"{result.n_sequences} sequences ({result.n_alpaca_answers} Alpaca and {result.n_context_answers} "
+                  f"long-context answers; {result.n_train_tokens} training positions, "
                   f"{result.n_dropped_prompts} prompts dropped for overlapping a benchmark turn), {result.steps} steps; "
                   f"time: extraction (answers + hidden states) {result.extract_s:.1f} s, training {result.train_s:.1f} s, "
                   f"evaluation {result.eval_s:.1f} s")

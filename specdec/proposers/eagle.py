@@ -1,7 +1,8 @@
 """``eagle:PATH[,weights=SCHEME]`` — a learned EAGLE-1 style draft head (specdec/eagle_head.py) drafting a chain
 of K tokens from the target's own final hidden states.
 
-The target decoder keeps the final-norm hidden state of every position it runs (``Decoder.keep_hidden``). The
+The target decoder keeps the final-norm hidden state of every position it runs (``Decoder.keep_hidden``; after
+the outputs of the layers a fused head reads). The
 head consumes pairs (target state at t, token t+1) at position t and predicts the state at t+1, whose logits
 come from the target's frozen LM head (or the rows a ``d2t`` map selects). Before each proposal it feeds the
 pairs it has not seen (real states only: the target holds every context position but the last), then drafts
@@ -65,7 +66,7 @@ class EagleProposer(Proposer):
     def attach(self, decoder):
         if decoder.model is not self.target.model:
             raise UserError("eagle drafts from the hidden states of the target it was built for")
-        decoder.keep_hidden()
+        decoder.keep_hidden(self.head.fuse_layers)
         self.head.setup_cache(decoder.max_len)
         self.decoder = decoder
         self.pos = 0
