@@ -3,8 +3,8 @@
 Usage: .venv/bin/python bench/train_draft.py [--prompts 300] [--answer-seconds 240] [--answer-batch 16] [--train-seconds 300]
        [--ks 1,2,3,4,5] [--per-category 2] [--max-new-tokens 128] [--head-dir /tmp/quantspec-eagle-head]
 Training (specdec/train_draft.py): the target's own greedy answers to Alpaca instructions (benchmark overlaps
-dropped) and to --context-prompts long-context prompts + WikiText-2 validation chunks; the time split (extraction, training, held-out evaluation) and the
-budget go into the record. Measurement: ``measure_acceptance`` (alpha, beta, tau, per-position acceptance,
+dropped) and to --context-prompts long-context prompts + WikiText-2 validation chunks, the head optionally fusing
+--fuse-layers; the time split (extraction, training, held-out evaluation) and the budget go into the record. Measurement: ``measure_acceptance`` (alpha, beta, tau, per-position acceptance,
 speedup vs plain decoding with the same eager attention, beside the prediction), greedy, fixed output length,
 the first --per-category questions of each Spec-Bench task. Writes bench/results/eagle_train_draft.json.
 """
