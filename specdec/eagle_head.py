@@ -155,15 +155,20 @@ def chain_mask(T: int, s: int) -> torch.Tensor:
     return torch.cat([u <= t - s + 1] + [u == t - s + j for j in range(2, s + 1)], 1)
 
 
+def first_bad_fuse_layer(fuse_layers, n_layers: int):
+    """The first of ``fuse_layers`` that is not a layer before the target's last (None: all are)."""
+    return next((i for i in fuse_layers if not isinstance(i, int) or not 0 <= i < n_layers - 1), None)
+
+
 def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0,
              fuse_layers: tuple[int, ...] = ()) -> EagleHead:
     """A freshly initialised head for a target (fc starts as [0 | I] and fuse as [0 ... | I]: the target's own
     final state passes through)."""
     args = ModelArgs.from_hf_config(target_config)
     n_layers = target_config["num_hidden_layers"]
-    bad = [i for i in fuse_layers if not 0 <= i < n_layers - 1]
-    if bad:
-        raise UserError(f"--fuse-layers {bad[0]}: the target has layers 0..{n_layers - 2} before its last")
+    bad = first_bad_fuse_layer(fuse_layers, n_layers)
+    if bad is not None:
+        raise UserError(f"--fuse-layers {bad}: the target has layers 0..{n_layers - 2} before its last")
     torch.manual_seed(seed)
     head = EagleHead(args, fuse_layers)
     with torch.no_grad():
@@ -272,9 +277,9 @@ def load_head(path: str | Path, target_config: dict, dtype: torch.dtype) -> tupl
     state = {k: v for k, v in state.items() if not k.startswith(("embed_tokens", "lm_head"))}  # the target's are used
     fuse_layers = tuple(cfg.get("quantspec_eagle", {}).get("fuse_layers", ()))
     n_layers = target_config["num_hidden_layers"]
-    bad = [i for i in fuse_layers if not isinstance(i, int) or not 0 <= i < n_layers - 1]
-    if bad:
-        raise UserError(f"eagle head {path} fuses layer {bad[0]}; the target has layers 0..{n_layers - 2} before "
+    bad = first_bad_fuse_layer(fuse_layers, n_layers)
+    if bad is not None:
+        raise UserError(f"eagle head {path} fuses layer {bad}; the target has layers 0..{n_layers - 2} before "
                         "its last: train a head for this target")
     shapes = expected_shapes(args, fuse_layers)
     missing = sorted(set(shapes) - set(state))
