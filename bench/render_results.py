@@ -377,7 +377,7 @@ SWEEP_COLS = [  # (header, row field, format); a column shows when any row has t
        "Speedup = speculative decode tok/s / plain decode tok/s of the same target (prefill excluded). α = "
        "accepted / drafted; β = accepted / tested draft tokens (Leviathan's per-token acceptance); c = proposer "
        "cost per drafted token in plain decode steps; V(K) = measured cost of a verification over K drafted tokens plus the bonus in "
-       "decode steps. The theory column is Leviathan et al.'s prediction (their Theorem `3.8`); refined uses the measured mix of draft lengths, "
+       "decode steps, at the run's contexts (records before 2026-12-02: after the first prompt only). The theory column is Leviathan et al.'s prediction (their Theorem `3.8`); refined uses the measured mix of draft lengths, "
        "K·c and V(K) (docs/methodology.md). `=greedy` counts prompts whose output is token-identical to plain "
        "greedy decoding. With fixed output length (ignore_eos) a finished answer keeps going and often repeats "
        "itself, which prompt lookup exploits; the end-of-turn run stops where the model stops.")

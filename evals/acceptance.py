@@ -35,7 +35,8 @@ METRICS = {
     "tok_s": "decode tok/s = (new tokens - 1) / decode seconds, summed over requests, prefill excluded",
     "speedup": "speculative tok/s / plain-decoding tok/s, same target, prompts, sampling and length",
     "c": "proposer seconds per drafted token / plain decode seconds per token",
-    "verify_cost": "target forward over K+1 tokens / one decode step (min of 7, after the first prompt)",
+    "verify_cost": "target forward over K+1 tokens / one decode step (min of 7 after each prompt and half its "
+                   "answer; summed over prompts weighted by decode steps)",
     "predicted_speedup": "Leviathan et al. Thm 3.8: (1-b^(K+1)) / ((1-b)(Kc+1)) with b = beta",
     "refined_speedup": "expected tokens per step over the measured mix of draft lengths / (drafted tokens per "
                        "step * c + measured verify cost of each length)",

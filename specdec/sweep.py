@@ -36,22 +36,34 @@ def parse_ks(text: str) -> list[int]:
 
 
 @torch.inference_mode()
-def verify_cost_curve(decoder: Decoder, prompt_ids: list[int], max_draft: int, repeats: int = 7) -> list[float]:
-    """cost[n] = time of one target forward over n+1 new tokens / time of a 1-token decode step, after a
-    prefill of ``prompt_ids``, through ``decoder``'s steps (compiled ones where it compiles). Sizes are
-    interleaved and the minimum of ``repeats`` is kept: on a shared CPU noise only ever adds time."""
-    decoder.rollback(0)
-    decoder.forward(prompt_ids)
-    start = decoder.pos
-    tokens = (prompt_ids * (max_draft + 1))[: max_draft + 1]
-    best = [float("inf")] * (max_draft + 1)
-    for _ in range(repeats):
-        for n in range(max_draft + 1):
-            decoder.rollback(start)
-            t = time.perf_counter()
-            decoder.forward(tokens[: n + 1], compiled=True)
-            best[n] = min(best[n], time.perf_counter() - t)
-    return [b / best[0] for b in best]
+def verify_cost_curve(decoder: Decoder, contexts: list[tuple[list[int], int]], max_draft: int,
+                      repeats: int = 7) -> list[float]:
+    """cost[n] = time of one target forward over n+1 new tokens / time of a 1-token decode step, through
+    ``decoder``'s steps (compiled ones where it compiles), after a prefill of each ``(context, weight)``; times are
+    summed over the contexts with their weights, so attention over long histories costs what it costs in the run.
+    Sizes are interleaved and the minimum of ``repeats`` is kept: on a shared CPU noise only ever adds time."""
+    total = [0.0] * (max_draft + 1)
+    for ids, weight in contexts:
+        decoder.rollback(0)
+        decoder.forward(ids)
+        start = decoder.pos
+        tokens = (ids * (max_draft + 1))[: max_draft + 1]
+        best = [float("inf")] * (max_draft + 1)
+        for _ in range(repeats):
+            for n in range(max_draft + 1):
+                decoder.rollback(start)
+                t = time.perf_counter()
+                decoder.forward(tokens[: n + 1], compiled=True)
+                best[n] = min(best[n], time.perf_counter() - t)
+        total = [t + weight * b for t, b in zip(total, best)]
+    return [t / total[0] for t in total]
+
+
+def run_contexts(prompts: list[list[int]], base: list[GenerationResult]) -> list[tuple[list[int], int]]:
+    """Where a run's verifications happen: each prompt plus the first half of its plain answer (its mean context
+    during decoding), weighted by the answer's decode steps."""
+    return [(ids + r.tokens[: len(r.tokens) // 2], len(r.tokens) - 1) for ids, r in zip(prompts, base)
+            if len(r.tokens) > 1]
 
 
 def decode_rate(results: list[GenerationResult]) -> tuple[float, float]:
@@ -193,7 +205,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     # to the end of turn: also the rate over the answers the model finished, apart from runs that loop to the limit
     ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
     ended_tok_s = decode_rate([base[i] for i in ended])[0] if ended and not ignore_eos else None
-    curve = verify_cost_curve(spec.decoder, prompts[0], max(ks))
+    curve = verify_cost_curve(spec.decoder, run_contexts(prompts, base), max(ks))
     rows = []
     for k, results in runs.items():
         stats = AcceptanceStats(k)

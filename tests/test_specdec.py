@@ -528,9 +528,16 @@ def test_bf16_sweep_is_token_exact_and_times_the_sdpa_reference(tiny_llama_dir):
         assert row["speedup_vs_reference"] == pytest.approx(row["tok_s"] / base["reference"]["tok_s"])
 
 
-def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
+def test_sweep_to_end_of_turn_counts_what_was_emitted(target, monkeypatch):
+    from evals.acceptance import prompt_ids
     from quantspec import measure_acceptance
     from quantspec.report import output_length
+    from specdec import sweep
+
+    measured = []  # the contexts the verify-cost curve was measured at
+    curve = sweep.verify_cost_curve
+    monkeypatch.setattr(sweep, "verify_cost_curve",
+                        lambda decoder, contexts, k: measured.extend(contexts) or curve(decoder, contexts, k))
 
     eos = target.tokenizer.eos_token_id
     stops = replace(target, model=copy.deepcopy(target.model))
@@ -544,3 +551,41 @@ def test_sweep_to_end_of_turn_counts_what_was_emitted(target):
     assert record.lengths.fixed_output_length is False and out["max"] == 30 and out["min"] < 30
     assert record.results["rows"][0]["greedy_equal"] == 2 and "end of turn" in output_length(record)
     assert record.results["baseline"]["ended"][0] and record.results["rows"][0]["speedup_ended"] > 0
+    answers = record.results["baseline"]["output_tokens"]
+    ids = prompt_ids(stops, [prompt, "hello"])
+    assert [(len(c), w) for c, w in measured] == [(len(p) + n // 2, n - 1) for p, n in zip(ids, answers) if n > 1]
+    assert all(c[: len(p)] == p for (c, _), p in zip(measured, ids))
+
+
+class ClockedDecoder:
+    """A decoder whose forward advances a fake clock by a cost that grows with the context, as attention does."""
+
+    def __init__(self):
+        self.pos, self.now = 0, 0.0
+
+    def rollback(self, pos):
+        self.pos = pos
+
+    def forward(self, tokens, compiled=False):
+        self.now += 1.0 + 0.01 * self.pos * len(tokens)
+        self.pos += len(tokens)
+
+
+def test_verify_cost_curve_is_measured_where_the_run_verifies(monkeypatch):
+    """The curve sums each context's times by its weight; a run's contexts are prompt + half its answer. Negative
+    control: the curve after the first (short) prompt alone, what it was before, is off on long prompts."""
+    from runtime.generate import GenerationResult
+    from specdec import sweep
+
+    decoder = ClockedDecoder()
+    monkeypatch.setattr(sweep.time, "perf_counter", lambda: decoder.now)
+    prompts = [[1] * 10, [2] * 300]
+    base = [GenerationResult(p, [3] * 41, "", 0.0, 1.0, "length") for p in prompts]
+    contexts = sweep.run_contexts(prompts, base)
+    assert contexts == [([1] * 10 + [3] * 20, 40), ([2] * 300 + [3] * 20, 40)]
+    cost = lambda pos, n: 1.0 + 0.01 * pos * (n + 1)  # noqa: E731
+    expected = [(cost(30, n) + cost(320, n)) / (cost(30, 0) + cost(320, 0)) for n in range(3)]
+    assert sweep.verify_cost_curve(decoder, contexts, 2) == pytest.approx(expected)
+    first_only = sweep.verify_cost_curve(decoder, [(prompts[0], 1)], 2)
+    assert first_only[2] < expected[2] - 0.3
+    assert sweep.verify_cost_curve(decoder, [(prompts[0], 1), (prompts[1], 0)], 2) == pytest.approx(first_only)
