@@ -178,6 +178,9 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable.
     ``compile_mode``: plain and speculative decoding, and the verify cost curve, through compiled steps, every
     verification length compiled (and probed) before the timed runs."""
+    if max_new_tokens < 2:
+        raise UserError(f"a sweep times decoding after the first token: --max-new-tokens must be >= 2, "
+                        f"got {max_new_tokens}")
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
@@ -200,6 +203,9 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             spec.k = k
             runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=ignore_eos))
             tick(f"K={k}")
+    if all(len(r.tokens) < 2 for r in base):
+        raise UserError("every answer ended at its first token, so there is no decoding to time: use more prompts "
+                        "or drop --natural-eos")
     plain_tok_s, step_s = decode_rate(base)
     ref_tok_s = decode_rate(ref)[0] if ref else None
     # to the end of turn: also the rate over the answers the model finished, apart from runs that loop to the limit

@@ -399,6 +399,7 @@ def test_bad_proposer_specs(target, tmp_path):
     (["--k", "0"], "1..32"), (["--k", "64"], "1..32"), (["--k", "a,b"], "comma-separated"),
     (["--spec", "nope"], "unknown proposer"), (["--spec", "layerskip:7"], "1..1"),
     (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top-p"), (["--top-p", "0"], "top-p"),
+    (["-n", "1"], "--max-new-tokens must be >= 2"),
 ])
 @pytest.mark.data
 def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
@@ -589,3 +590,13 @@ def test_verify_cost_curve_is_measured_where_the_run_verifies(monkeypatch):
     first_only = sweep.verify_cost_curve(decoder, [(prompts[0], 1)], 2)
     assert first_only[2] < expected[2] - 0.3
     assert sweep.verify_cost_curve(decoder, [(prompts[0], 1), (prompts[1], 0)], 2) == pytest.approx(first_only)
+
+
+def test_sweep_refuses_answers_with_nothing_to_time(target, monkeypatch):
+    """Every answer ending at its first token leaves no decode step to time: one UserError, not a ZeroDivisionError."""
+    from quantspec import measure_acceptance
+
+    monkeypatch.setattr("runtime.generate.eos_token_ids", lambda lm: set(range(lm.model.args.vocab_size)))
+    spec = build_proposer("ngram:min=1,max=3", target)
+    with pytest.raises(UserError, match="ended at its first token"):
+        measure_acceptance(target, "tiny", spec, [2], ["hello"], "inline", 8, SamplingConfig(), ignore_eos=False)
