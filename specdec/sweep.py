@@ -203,7 +203,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             spec.k = k
             runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=ignore_eos))
             tick(f"K={k}")
-    if all(len(r.tokens) < 2 for r in base):
+    contexts = run_contexts(prompts, base)  # the answers with a decode step
+    if not contexts:
         raise UserError("every answer ended at its first token, so there is no decoding to time: use more prompts "
                         "or drop --natural-eos")
     plain_tok_s, step_s = decode_rate(base)
@@ -211,7 +212,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     # to the end of turn: also the rate over the answers the model finished, apart from runs that loop to the limit
     ended = [i for i, b in enumerate(base) if b.finish_reason == "eos"]
     ended_tok_s = decode_rate([base[i] for i in ended])[0] if ended and not ignore_eos else None
-    curve = verify_cost_curve(spec.decoder, run_contexts(prompts, base), max(ks))
+    curve = verify_cost_curve(spec.decoder, contexts, max(ks))
     rows = []
     for k, results in runs.items():
         stats = AcceptanceStats(k)
