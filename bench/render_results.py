@@ -412,7 +412,7 @@ def render_sweeps(d: dict) -> str:
 
 @bench("eagle_train_draft*.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
        "bench/train_draft.py",
-       "A one-layer EAGLE-1 style head (eagle:PATH) trained on this machine under a wall-clock budget from the "
+       "An EAGLE-1 style head (eagle:PATH; one decoder layer unless the record says more) trained on this machine under a wall-clock budget from the "
        "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped), where recorded also "
        "to long-context prompts in Spec-Bench's summarization and RAG shapes built from WikiText-2 validation passages "
        "(`--context-prompts`), and WikiText-2 validation text, hidden-state regression plus token cross-entropy, optionally over chains of the head's "
@@ -430,6 +430,8 @@ def render_eagle(d: dict) -> str:
         held += "; last epoch per chain step: " + " / ".join(num(a) for a in chain)
     if t["config"].get("ttt_steps", 1) > 1:
         held += f" (trained on chains of {t['config']['ttt_steps']} steps)"
+    if t["config"].get("head_layers", 1) > 1:
+        held += f"; the head has {t['config']['head_layers']} decoder layers"
     if t["config"].get("fuse_layers"):
         held += (f"; the head fuses the outputs of target layers {', '.join(map(str, t['config']['fuse_layers']))} "
                  "with the final state (EAGLE-3's feature fusion)")

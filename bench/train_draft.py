@@ -57,6 +57,7 @@ if __name__ == "__main__":
                         help="Long-context prompts (WikiText-2 validation passages in Spec-Bench's long-context shapes).")
     parser.add_argument("--context-len", type=int, default=TrainConfig.context_len)
     parser.add_argument("--fuse-layers", default="", help="EAGLE-3 feature fusion: target layers the head also reads.")
+    parser.add_argument("--head-layers", type=int, default=TrainConfig.head_layers)
     parser.add_argument("--ks", default="1,2,3,4,5")
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -74,7 +75,7 @@ if __name__ == "__main__":
                       train_seconds=args.train_seconds, answer_seconds=args.answer_seconds,
                       answer_batch=args.answer_batch, ttt_steps=args.ttt_steps,
                       n_context=args.context_prompts, context_len=args.context_len,
-                      fuse_layers=parse_layers(args.fuse_layers))
+                      fuse_layers=parse_layers(args.fuse_layers), head_layers=args.head_layers)
     last = [0.0]
 
     def progress(stage, done, total, detail):

@@ -1,10 +1,11 @@
-"""An EAGLE-1 style draft head: one Llama decoder layer over ``fc(concat(embed(next token), target hidden))``.
+"""An EAGLE-1 style draft head: Llama decoder layers (one by default, ``num_hidden_layers`` in its config) over
+``fc(concat(embed(next token), target hidden))``.
 
 Layout is vLLM's ``EagleLlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle.py``): weights ``fc.weight``
-[dim, 2*dim] (no bias) and ``layers.0.*`` with HF names, no ``layers.0.input_layernorm`` (vLLM disables it on the
-first layer) and no final norm; the token embedding and the LM head are the target's (frozen, not stored). The
-hidden state it reads and predicts is the target's final-norm hidden state (what the target's LM head reads), so
-the head's output goes straight through the target's LM head.
+[dim, 2*dim] (no bias) and ``layers.{i}.*`` with HF names, no ``layers.0.input_layernorm`` (vLLM disables it on the
+first layer; later layers are plain pre-norm ones) and no final norm; the token embedding and the LM head are the
+target's (frozen, not stored). The hidden state it reads and predicts is the target's final-norm hidden state
+(what the target's LM head reads), so the head's output goes straight through the target's LM head.
 
 EAGLE-3's feature fusion, optionally (``fuse_layers``): at real positions the head reads ``fuse(concat(outputs of
 the target's layers fuse_layers..., final-norm state))`` [dim, (n+1)*dim] instead of the final-norm state alone;
@@ -35,13 +36,14 @@ WEIGHTS = "model.safetensors"
 
 
 def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict | None = None,
-                fuse_layers: tuple[int, ...] = ()) -> dict:
-    """The head's config.json: the target's Llama config with one layer (what vLLM's EAGLE loader reads)."""
+                fuse_layers: tuple[int, ...] = (), head_layers: int = 1) -> dict:
+    """The head's config.json: the target's Llama config with the head's layer count (what vLLM's EAGLE loader
+    reads)."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "head_dim", "bos_token_id",
             "eos_token_id", "attention_bias")
     cfg = {k: target_config[k] for k in keep if k in target_config}
-    cfg.update(architectures=["EagleLlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+    cfg.update(architectures=["EagleLlamaForCausalLM"], model_type="llama", num_hidden_layers=head_layers,
                tie_word_embeddings=False, torch_dtype="bfloat16")
     if draft_vocab:
         cfg["draft_vocab_size"] = draft_vocab
@@ -51,32 +53,38 @@ def head_config(target_config: dict, draft_vocab: int | None = None, extra: dict
     return cfg
 
 
-class EagleHead(nn.Module):
-    """fc + one decoder layer. ``forward(embeds, hidden, input_pos)`` -> predicted next hidden states; with a
-    cache (``setup_cache``) it runs incrementally at explicit positions, without one it is causal over the
-    sequence (training)."""
+def _decoder_layer(args: ModelArgs, first: bool) -> nn.Module:
+    """One Llama decoder layer with HF names; the first has no input_layernorm (vLLM's EAGLE layout)."""
+    d, hd = args.dim, args.head_dim
+    layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+    attn.q_proj = nn.Linear(d, args.n_heads * hd, bias=args.qkv_bias)
+    attn.k_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
+    attn.v_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
+    attn.o_proj = nn.Linear(args.n_heads * hd, d, bias=False)
+    mlp.gate_proj = nn.Linear(d, args.intermediate_size, bias=False)
+    mlp.up_proj = nn.Linear(d, args.intermediate_size, bias=False)
+    mlp.down_proj = nn.Linear(args.intermediate_size, d, bias=False)
+    layer.self_attn, layer.mlp = attn, mlp
+    if not first:
+        layer.input_layernorm = RMSNorm(d, args.norm_eps)
+    layer.post_attention_layernorm = RMSNorm(d, args.norm_eps)
+    return layer
 
-    def __init__(self, args: ModelArgs, fuse_layers: tuple[int, ...] = ()):
+
+class EagleHead(nn.Module):
+    """fc + ``head_layers`` decoder layers (EAGLE-1: one). ``forward(embeds, hidden, input_pos)`` -> predicted next
+    hidden states; with a cache (``setup_cache``) it runs incrementally at explicit positions, without one it is
+    causal over the sequence (training)."""
+
+    def __init__(self, args: ModelArgs, fuse_layers: tuple[int, ...] = (), head_layers: int = 1):
         super().__init__()
         self.args = args
         self.fuse_layers = tuple(fuse_layers)
-        d, hd = args.dim, args.head_dim
+        d = args.dim
         if fuse_layers:
             self.fuse = nn.Linear((len(fuse_layers) + 1) * d, d, bias=False)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        layer = nn.Module()
-        attn = nn.Module()
-        attn.q_proj = nn.Linear(d, args.n_heads * hd, bias=args.qkv_bias)
-        attn.k_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
-        attn.v_proj = nn.Linear(d, args.n_kv_heads * hd, bias=args.qkv_bias)
-        attn.o_proj = nn.Linear(args.n_heads * hd, d, bias=False)
-        mlp = nn.Module()
-        mlp.gate_proj = nn.Linear(d, args.intermediate_size, bias=False)
-        mlp.up_proj = nn.Linear(d, args.intermediate_size, bias=False)
-        mlp.down_proj = nn.Linear(args.intermediate_size, d, bias=False)
-        layer.self_attn, layer.mlp = attn, mlp
-        layer.post_attention_layernorm = RMSNorm(d, args.norm_eps)
-        self.layers = nn.ModuleList([layer])
+        self.layers = nn.ModuleList([_decoder_layer(args, i == 0) for i in range(head_layers)])
         cos, sin = rope_tables(args, args.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -85,27 +93,32 @@ class EagleHead(nn.Module):
     def setup_cache(self, max_len: int) -> None:
         a = self.args
         dtype = self.layers[0].post_attention_layernorm.weight.dtype  # the head's dtype (its linears may be quantized)
-        self.k_cache = torch.zeros(1, a.n_kv_heads, max_len, a.head_dim, dtype=dtype)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        shape = (len(self.layers), 1, a.n_kv_heads, max_len, a.head_dim)
+        self.k_cache, self.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
-    def _project(self, embeds, hidden, input_pos):
-        """(x = fc(embed | hidden), q, k, v with RoPE at input_pos); target states wider than dim are fused first."""
-        a = self.args
-        if hidden.shape[-1] != a.dim:
+    def _project(self, embeds, hidden):
+        """x = fc(embed | hidden); target states wider than dim are fused first."""
+        if hidden.shape[-1] != self.args.dim:
             hidden = self.fuse(hidden)
-        x = self.fc(torch.cat((embeds, hidden), dim=-1))
+        return self.fc(torch.cat((embeds, hidden), dim=-1))
+
+    def _qkv(self, i, x, input_pos):
+        """Layer i's q, k, v of x (after its input norm, if it has one), with RoPE at input_pos."""
+        a, layer = self.args, self.layers[i]
+        if hasattr(layer, "input_layernorm"):
+            x = layer.input_layernorm(x)
         B, T, _ = x.shape
-        attn = self.layers[0].self_attn
+        attn = layer.self_attn
         q = attn.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         cos = self.rope_cos[input_pos].to(x.dtype)
         sin = self.rope_sin[input_pos].to(x.dtype)
-        return x, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _attend(self, x, q, keys, values, mask):
-        """Attention (mask None: causal) + o_proj + MLP, residuals -> the predicted states."""
-        layer = self.layers[0]
+    def _attend(self, i, x, q, keys, values, mask):
+        """Layer i: attention (mask None: causal) + o_proj + MLP, residuals -> its output states."""
+        layer = self.layers[i]
         gqa = self.args.n_heads != self.args.n_kv_heads
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         B, T, _ = x.shape
@@ -117,35 +130,42 @@ class EagleHead(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """embeds [B, T, dim], hidden [B, T, dim or fused width] (the token at t+1 and the target state at t) ->
         predicted state at t+1 [B, T, dim]."""
-        x, q, k, v = self._project(embeds, hidden, input_pos)
-        if self.k_cache is None:
-            return self._attend(x, q, k, v, None)
+        x = self._project(embeds, hidden)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
-        self.k_cache[:, :, start:end] = k
-        self.v_cache[:, :, start:end] = v
-        mask = torch.arange(end)[None, :] <= input_pos[:, None]
-        return self._attend(x, q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], mask)
+        mask = None if self.k_cache is None else torch.arange(end)[None, :] <= input_pos[:, None]
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, x, input_pos)
+            if self.k_cache is not None:
+                self.k_cache[i, :, :, start:end] = k
+                self.v_cache[i, :, :, start:end] = v
+                k, v = self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end]
+            x = self._attend(i, x, q, k, v, mask)
+        return x
 
     def unroll(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3): the chain drafting does, at every position of a sequence at once.
 
         Step 1 is ``forward`` on the target's states. Step s reads, at position t, step s-1's prediction at t-1
-        (the head's own state, as when drafting token s of a chain that began after position t-s+1) and attends
-        to what the drafting head's cache would hold then: step-1 keys (real states) up to t-s+1 and step j's
-        key at t-s+j for j = 2..s (``chain_mask``). Returns the predictions of each step, [B, T, dim]; rows
-        t < s-1 of step s have no real chain start and carry no loss.
+        (the head's own state, as when drafting token s of a chain that began after position t-s+1) and attends,
+        in every layer, to what the drafting head's cache would hold then: step-1 keys (real states) up to t-s+1
+        and step j's key at t-s+j for j = 2..s (``chain_mask``). Returns the predictions of each step,
+        [B, T, dim]; rows t < s-1 of step s have no real chain start and carry no loss.
         """
         T = embeds.shape[1]
         pos = torch.arange(T)
-        keys, values, preds = [], [], []
+        keys, values = [[] for _ in self.layers], [[] for _ in self.layers]
+        preds = []
         h = hidden
         for s in range(1, steps + 1):
-            x, q, k, v = self._project(embeds, h, pos)
-            keys.append(k)
-            values.append(v)
+            x = self._project(embeds, h)
             mask = None if s == 1 else chain_mask(T, s)
-            preds.append(self._attend(x, q, torch.cat(keys, 2), torch.cat(values, 2), mask))
-            h = torch.cat((torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]), 1)
+            for i in range(len(self.layers)):
+                q, k, v = self._qkv(i, x, pos)
+                keys[i].append(k)
+                values[i].append(v)
+                x = self._attend(i, x, q, torch.cat(keys[i], 2), torch.cat(values[i], 2), mask)
+            preds.append(x)
+            h = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1)
         return preds
 
 
@@ -161,7 +181,7 @@ def first_bad_fuse_layer(fuse_layers, n_layers: int):
 
 
 def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int = 0,
-             fuse_layers: tuple[int, ...] = ()) -> EagleHead:
+             fuse_layers: tuple[int, ...] = (), head_layers: int = 1) -> EagleHead:
     """A freshly initialised head for a target (fc starts as [0 | I] and fuse as [0 ... | I]: the target's own
     final state passes through)."""
     args = ModelArgs.from_hf_config(target_config)
@@ -170,7 +190,7 @@ def new_head(target_config: dict, dtype: torch.dtype = torch.float32, seed: int 
     if bad is not None:
         raise UserError(f"--fuse-layers {bad}: the target has layers 0..{n_layers - 2} before its last")
     torch.manual_seed(seed)
-    head = EagleHead(args, fuse_layers)
+    head = EagleHead(args, fuse_layers, head_layers)
     with torch.no_grad():
         d = args.dim
         for fc in ((head.fc, head.fuse) if fuse_layers else (head.fc,)):
@@ -213,19 +233,24 @@ def save_head(head: EagleHead, out: Path, config: dict, d2t: torch.Tensor | None
     return out
 
 
-def expected_shapes(args: ModelArgs, fuse_layers: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
+def expected_shapes(args: ModelArgs, fuse_layers: tuple[int, ...] = (),
+                    head_layers: int = 1) -> dict[str, tuple[int, ...]]:
     d, hd, inter = args.dim, args.head_dim, args.intermediate_size
-    shapes = {"fc.weight": (d, 2 * d),
-              "layers.0.self_attn.q_proj.weight": (args.n_heads * hd, d),
-              "layers.0.self_attn.k_proj.weight": (args.n_kv_heads * hd, d),
-              "layers.0.self_attn.v_proj.weight": (args.n_kv_heads * hd, d),
-              "layers.0.self_attn.o_proj.weight": (d, args.n_heads * hd),
-              "layers.0.mlp.gate_proj.weight": (inter, d), "layers.0.mlp.up_proj.weight": (inter, d),
-              "layers.0.mlp.down_proj.weight": (d, inter), "layers.0.post_attention_layernorm.weight": (d,)}
-    if args.qkv_bias:
-        shapes.update({"layers.0.self_attn.q_proj.bias": (args.n_heads * hd,),
-                       "layers.0.self_attn.k_proj.bias": (args.n_kv_heads * hd,),
-                       "layers.0.self_attn.v_proj.bias": (args.n_kv_heads * hd,)})
+    shapes = {"fc.weight": (d, 2 * d)}
+    for i in range(head_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (args.n_heads * hd, d),
+                       p + "self_attn.k_proj.weight": (args.n_kv_heads * hd, d),
+                       p + "self_attn.v_proj.weight": (args.n_kv_heads * hd, d),
+                       p + "self_attn.o_proj.weight": (d, args.n_heads * hd),
+                       p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+                       p + "mlp.down_proj.weight": (d, inter), p + "post_attention_layernorm.weight": (d,)})
+        if i:
+            shapes[p + "input_layernorm.weight"] = (d,)
+        if args.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (args.n_heads * hd,),
+                           p + "self_attn.k_proj.bias": (args.n_kv_heads * hd,),
+                           p + "self_attn.v_proj.bias": (args.n_kv_heads * hd,)})
     if fuse_layers:
         shapes["fuse.weight"] = (d, (len(fuse_layers) + 1) * d)
     return shapes
@@ -281,15 +306,19 @@ def load_head(path: str | Path, target_config: dict, dtype: torch.dtype) -> tupl
     if bad is not None:
         raise UserError(f"eagle head {path} fuses layer {bad}; the target has layers 0..{n_layers - 2} before "
                         "its last: train a head for this target")
-    shapes = expected_shapes(args, fuse_layers)
+    head_layers = cfg.get("num_hidden_layers", 1)
+    if not isinstance(head_layers, int) or head_layers < 1:
+        raise UserError(f"eagle head {path}: num_hidden_layers {head_layers!r} in config.json; expected 1 or more")
+    shapes = expected_shapes(args, fuse_layers, head_layers)
     missing = sorted(set(shapes) - set(state))
     extra = sorted(set(state) - set(shapes))
     if missing or extra:
-        raise UserError(f"eagle head {path} is not a one-layer EAGLE head: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise UserError(f"eagle head {path} is not a {head_layers}-layer EAGLE head (num_hidden_layers in its "
+                        f"config.json): missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in shapes.items():
         if tuple(state[name].shape) != shape:
             raise UserError(f"eagle head {path}: {name} has shape {tuple(state[name].shape)}, expected {shape} for "
                             "this target")
-    head = EagleHead(args, fuse_layers)
+    head = EagleHead(args, fuse_layers, head_layers)
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return head.to(dtype).eval(), d2t, cfg

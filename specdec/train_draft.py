@@ -65,6 +65,7 @@ class TrainConfig:
     n_context: int = field(default=0, metadata=_at_least(0, "--context-prompts"))  # long-context task prompts
     context_len: int = field(default=384, metadata=_at_least(16, "--context-len"))  # passage tokens per prompt
     fuse_layers: tuple[int, ...] = ()  # target layers whose outputs the head fuses with the final state (EAGLE-3)
+    head_layers: int = field(default=1, metadata=_at_least(1, "--head-layers"))  # decoder layers in the head
 
     def __post_init__(self):
         for f in fields(self):
@@ -303,7 +304,7 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
     """Build the training set from ``lm``, train a head, save it to ``out`` (safetensors + config.json)."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    head = new_head(lm.config, torch.float32, cfg.seed, cfg.fuse_layers).train()  # checks fuse_layers first
+    head = new_head(lm.config, torch.float32, cfg.seed, cfg.fuse_layers, cfg.head_layers).train()  # checks fuse_layers first
     seqs, dropped, answered = build_sequences(lm, cfg, data_dir, progress)
     seqs = [s for s in seqs if len(s) >= 2]
     features = extract_features(lm, seqs, progress, cfg.fuse_layers)
@@ -369,7 +370,7 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
     extra = {"target": target_name or str(lm.path), "train": asdict(cfg), "heldout_top1": epochs[-1]["heldout_top1"],
              "steps": steps}
     save_head(head.eval(), Path(out), head_config(lm.config, len(w_vocab) if d2t is not None else None, extra,
-                                                        cfg.fuse_layers), d2t)
+                                                        cfg.fuse_layers, cfg.head_layers), d2t)
     return TrainResult(str(out), asdict(cfg), len(features), sum(len(i) - 1 for i, _ in train),
                        sum(len(i) - 1 for i, _ in held), dropped, answered["alpaca"],
                        answered["context"], extract_s, train_s, eval_s, steps, epochs)

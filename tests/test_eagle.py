@@ -3,6 +3,7 @@ and a negative control (a head blind to the target's hidden state accepts less).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -84,12 +85,12 @@ def chain_error(head, embeds, hidden, steps):
     return worst
 
 
-@pytest.fixture(params=[(), (0,)], ids=["final-state", "fused"])
+@pytest.fixture(params=[((), 1), ((0,), 1), ((), 2)], ids=["final-state", "fused", "two-layer"])
 def random_head(tiny, request):
     """(a head with random fc (and fuse), embeds, target states): fused heads read wider target states at real
-    positions and their own dim-wide states along the chain."""
-    fuse_layers = request.param
-    head = new_head(tiny.config, torch.float32, seed=1, fuse_layers=fuse_layers)
+    positions and their own dim-wide states along the chain; a two-layer head caches keys per layer."""
+    fuse_layers, head_layers = request.param
+    head = new_head(tiny.config, torch.float32, seed=1, fuse_layers=fuse_layers, head_layers=head_layers)
     torch.manual_seed(2)
     torch.nn.init.normal_(head.fc.weight, std=0.1)  # the head's own states matter (fc starts as [0 | I])
     if fuse_layers:
@@ -117,6 +118,35 @@ def test_negative_control_training_time_test_with_a_plain_causal_mask(random_hea
     assert own_step_causal(T, 3).shape == eagle_head.chain_mask(T, 3).shape
     monkeypatch.setattr(eagle_head, "chain_mask", own_step_causal)
     assert chain_error(head, embeds, hidden, 3) > 1e-3
+
+
+def llama_reference(head: eagle_head.EagleHead, tiny, embeds, hidden):
+    """The same head computed by transformers' LlamaModel (what vLLM's LlamaDecoderLayer computes): its layers
+    take the head's weights, layer 0 without its input norm, no final norm, over fc(embed | hidden)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    ref = LlamaModel(LlamaConfig(**{**tiny.config, "num_hidden_layers": len(head.layers)})).eval()
+    assert not ref.load_state_dict({k: v for k, v in head.state_dict().items() if k.startswith("layers.")},
+                                   strict=False).unexpected_keys
+    ref.layers[0].input_layernorm = torch.nn.Identity()
+    ref.norm = torch.nn.Identity()
+    return ref(inputs_embeds=head.fc(torch.cat((embeds, hidden), -1))).last_hidden_state
+
+
+@torch.no_grad()
+def test_head_layers_are_llama_decoder_layers(tiny):
+    """A two-layer head equals transformers' Llama layers on its weights (vLLM's EAGLE layout: only layer 0 lacks
+    the input norm). Negative control: layer 1 without its input norm is caught."""
+    head = new_head(tiny.config, torch.float32, seed=1, head_layers=2)
+    torch.manual_seed(3)
+    for name, p in head.named_parameters():
+        torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.2 if "norm" in name else 0.1)
+    d = tiny.model.args.dim
+    embeds, hidden = torch.randn(1, 9, d), torch.randn(1, 9, d)
+    want = llama_reference(head, tiny, embeds, hidden)
+    assert (head(embeds, hidden, torch.arange(9)) - want).abs().max() < 1e-4
+    del head.layers[1].input_layernorm
+    assert (head(embeds, hidden, torch.arange(9)) - want).abs().max() > 1e-2
 
 
 ANSWER_PROMPTS = PROMPTS + ["a", "Count: one two three four five six seven", "zz top"]
@@ -294,7 +324,8 @@ def test_context_prompts_are_training_text(tiny, data_dir):
 
 def test_train_config_refuses_bad_values_in_one_line():
     """Checked where the configuration is built, so the Python API and the CLI refuse alike (naming the flag)."""
-    for name, flag in (("ttt_steps", "--ttt-steps"), ("epochs", "--epochs"), ("answer_batch", "--answer-batch")):
+    for name, flag in (("ttt_steps", "--ttt-steps"), ("epochs", "--epochs"), ("answer_batch", "--answer-batch"),
+                       ("head_layers", "--head-layers")):
         with pytest.raises(UserError, match=f"^{flag} must be >= 1, got 0$"):
             TrainConfig(**{name: 0})
     assert TrainConfig(n_prompts=0, n_context=0).n_prompts == 0
@@ -325,6 +356,13 @@ def _bad_heads(tiny, trained, root):
     cfg = json.loads((out / "config.json").read_text())
     (layers / "config.json").write_text(json.dumps({**cfg, "quantspec_eagle": {"fuse_layers": [5]}}))
     cases.append((layers, "fuses layer 5;"))
+    for name, n in (("two", 2), ("zero", 0)):  # config.json's layer count is not the weights'
+        (root / name).mkdir()
+        (root / name / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+        (root / name / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n}))
+    cases.append((root / "two", "is not a 2-layer EAGLE head (num_hidden_layers in its config.json): "
+                                "missing ['layers.1"))
+    cases.append((root / "zero", "num_hidden_layers 0 in config.json; expected 1 or more"))
     pickled = root / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text((out / "config.json").read_text())
@@ -343,7 +381,7 @@ def _bad_heads(tiny, trained, root):
 
 def test_bad_heads_refused_in_one_line(tiny, trained, tmp_path, tiny_llama_dir, data_dir, capsys):
     for path, needle in _bad_heads(tiny, trained, tmp_path):
-        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+        with pytest.raises(UserError, match=re.escape(needle)):
             SpeculativeDecoder(tiny, f"eagle:{path}", 2)
         with pytest.raises(SystemExit) as exc:
             main(["accept", str(tiny_llama_dir), "--spec", f"eagle:{path}", "--k", "1", "--limit", "1", "-n", "4",
@@ -429,6 +467,33 @@ def test_fused_head_layout_and_exact_drafting(fused, tiny):
         new_head(tiny.config, fuse_layers=(1,))
 
 
+# ---- more than one layer ----
+
+def test_two_layer_head_saves_vllm_layout_and_drafts_exactly(tiny, data_dir, tmp_path):
+    """--head-layers 2 saves num_hidden_layers 2 and layers.1.* with an input norm (layer 0 has none), loads back as
+    two layers and drafts token-exactly; vLLM's EAGLE-1 loader builds num_hidden_layers layers, so vLLM takes it."""
+    from dataclasses import replace
+
+    from evals.backends.base import ServingConfig
+    from evals.backends.vllm_engine import speculative_config
+
+    out = tmp_path / "two"
+    result = train_head(tiny, out, replace(FAST, epochs=2, head_layers=2), data_dir)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert result.config["head_layers"] == 2
+    names = set(load_file(out / "model.safetensors"))
+    assert "layers.1.input_layernorm.weight" in names and "layers.0.input_layernorm.weight" not in names
+    assert names == set(expected_shapes(tiny.model.args, (), 2))
+    sd = SpeculativeDecoder(tiny, f"eagle:{out}", 3)
+    assert len(sd.proposer.head.layers) == 2
+    for p in PROMPTS[:2]:
+        ids = tiny.tokenizer.encode(p)
+        assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
+    spec = speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=f"eagle:{out}", k=3,
+                                            max_model_len=256))
+    assert spec["method"] == "eagle" and spec["model"] == str(out)
+
+
 # ---- the search-space axis ----
 
 def test_search_space_eagle_axis(trained, tiny_llama_dir, tmp_path):
@@ -452,7 +517,7 @@ def test_search_space_refuses_bad_head_before_the_search(tiny, trained, tiny_lla
     from studies.space import SearchSpace, load_space
 
     for path, needle in _bad_heads(tiny, trained, tmp_path):
-        with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+        with pytest.raises(UserError, match=re.escape(needle)):
             SearchSpace(model=str(tiny_llama_dir), proposers=["none", f"eagle:{path}"])
     with pytest.raises(UserError, match="eagle needs a head directory"):
         SearchSpace(model=str(tiny_llama_dir), proposers=["eagle"])

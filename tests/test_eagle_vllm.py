@@ -20,9 +20,13 @@ def outputs(config: ServingConfig):
 
 
 def test_vllm_loads_a_quantspec_head_and_stays_greedy_exact(default_model_dir, tmp_path):
+    """One- and two-layer heads (vLLM's EAGLE-1 loader builds num_hidden_layers layers, layer 0 without its input
+    norm, as quantspec saves them)."""
     target = read_config(default_model_dir)
-    head = save_head(new_head(target), tmp_path / "head", head_config(target))  # fc = [0 | I]: drafts a real token
     plain, _ = outputs(ServingConfig(backend="vllm", max_model_len=512))
-    spec, res = outputs(ServingConfig(backend="vllm", spec=f"eagle:{head}", k=3, max_model_len=512))
-    assert res.summary["spec"]["drafts"] > 0 and res.summary["spec"]["draft_tokens"] > 0
-    assert spec == plain
+    for layers in (1, 2):  # fc = [0 | I]: drafts a real token
+        head = save_head(new_head(target, head_layers=layers), tmp_path / f"head{layers}",
+                         head_config(target, head_layers=layers))
+        spec, res = outputs(ServingConfig(backend="vllm", spec=f"eagle:{head}", k=3, max_model_len=512))
+        assert res.summary["spec"]["drafts"] > 0 and res.summary["spec"]["draft_tokens"] > 0
+        assert spec == plain

@@ -36,17 +36,19 @@ def train_draft(
                                     help="EAGLE-3 feature fusion: target layers (0-based) whose outputs the head reads "
                                          "with the final state, e.g. 2,15 for a 30-layer target (low, middle; the "
                                          "final state is the high one). Native backend only."),
+    head_layers: int = typer.Option(quantspec.TrainConfig.head_layers, "--head-layers",
+                                    help="Decoder layers in the head (EAGLE-1: 1; more costs more per draft)."),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = DtypeOption,
     threads: int = typer.Option(None),
     data_dir: str = DataDirOption,
 ):
-    """Train a one-layer EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
+    """Train an EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
     cfg = quantspec.TrainConfig(n_prompts=prompts, max_answer_tokens=max_answer_tokens, n_wikitext=wikitext,
                                 wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, draft_vocab=draft_vocab,
                                 train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps,
                                 n_context=context_prompts, context_len=context_len,
-                                fuse_layers=parse_layers(fuse_layers))
+                                fuse_layers=parse_layers(fuse_layers), head_layers=head_layers)
     lm = quantspec.load(model, dtype, threads, "eager")
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[detail]}"), console=console, transient=True)
