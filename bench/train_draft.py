@@ -50,6 +50,7 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--ce-weight", type=float, default=TrainConfig.ce_weight)
     parser.add_argument("--draft-vocab", type=int, default=None)
     parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps,
                         help="Chain steps trained on the head's own states (EAGLE-3 training-time test).")
@@ -71,7 +72,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     lm = load_model(args.model, args.dtype, args.threads, "eager")
     cfg = TrainConfig(n_prompts=args.prompts, max_answer_tokens=args.max_answer_tokens, n_wikitext=args.wikitext,
-                      epochs=args.epochs, batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
+                      epochs=args.epochs, batch=args.batch, lr=args.lr, ce_weight=args.ce_weight,
+                      draft_vocab=args.draft_vocab,
                       train_seconds=args.train_seconds, answer_seconds=args.answer_seconds,
                       answer_batch=args.answer_batch, ttt_steps=args.ttt_steps,
                       n_context=args.context_prompts, context_len=args.context_len,

@@ -55,7 +55,7 @@ class TrainConfig:
     epochs: int = field(default=4, metadata=_at_least(1, "--epochs"))
     batch: int = field(default=8, metadata=_at_least(1, "--batch"))  # sequences per step
     lr: float = 1e-3
-    ce_weight: float = 0.1          # EAGLE's weighting: regression 1.0, classification 0.1
+    ce_weight: float = field(default=0.1, metadata=_at_least(0, "--ce-weight"))  # EAGLE-1: regression 1, tokens 0.1
     draft_vocab: int | None = None  # reduced draft vocabulary (EAGLE-3 d2t): the N most frequent target tokens
     train_seconds: float | None = None  # wall-clock cap on the training loop (stops mid-epoch)
     seed: int = 0

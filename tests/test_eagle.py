@@ -328,6 +328,8 @@ def test_train_config_refuses_bad_values_in_one_line():
                        ("head_layers", "--head-layers")):
         with pytest.raises(UserError, match=f"^{flag} must be >= 1, got 0$"):
             TrainConfig(**{name: 0})
+    with pytest.raises(UserError, match="^--ce-weight must be >= 0, got -0.5$"):
+        TrainConfig(ce_weight=-0.5)
     assert TrainConfig(n_prompts=0, n_context=0).n_prompts == 0
 
 
@@ -396,12 +398,14 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
         main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "h"), "--prompts", "4",
               "--max-answer-tokens", "16", "--wikitext", "2", "--wikitext-len", "32", "--epochs", "1", "--batch", "2",
               "--dtype", "fp32", "--data-dir", str(data_dir), "--ttt-steps", "2", "--context-prompts", "2",
-              "--context-len", "32", "--fuse-layers", "0"])
+              "--context-len", "32", "--fuse-layers", "0", "--head-layers", "2", "--ce-weight", "0.5"])
     assert exc.value.code == 0
     assert (tmp_path / "h" / "model.safetensors").exists()
     assert json.loads((tmp_path / "h" / "config.json").read_text())["quantspec_eagle"]["train"]["ttt_steps"] == 2
     saved = json.loads((tmp_path / "h" / "config.json").read_text())["quantspec_eagle"]
     assert saved["train"]["n_context"] == 2 and saved["fuse_layers"] == [0]
+    assert saved["train"]["ce_weight"] == 0.5 and saved["train"]["head_layers"] == 2
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["num_hidden_layers"] == 2
     out = capsys.readouterr().out
     assert "eagle:" in out and "per chain step" in out and "4 Alpaca and 2 long-context answers" in out
     with pytest.raises(SystemExit) as exc:

@@ -21,6 +21,9 @@ def train_draft(
     epochs: int = typer.Option(4, "--epochs"),
     batch: int = typer.Option(8, "--batch", help="Sequences per step."),
     lr: float = typer.Option(1e-3, "--lr"),
+    ce_weight: float = typer.Option(quantspec.TrainConfig.ce_weight, "--ce-weight",
+                                    help="Weight of the token cross-entropy beside the hidden-state regression "
+                                         "(EAGLE-1: 0.1)."),
     draft_vocab: int = typer.Option(None, "--draft-vocab", help="Reduced draft vocabulary: the N most frequent "
                                                                 "tokens (EAGLE-3 d2t map); default the full one."),
     train_seconds: float = typer.Option(None, "--train-seconds", help="Wall-clock cap on the training loop."),
@@ -45,7 +48,8 @@ def train_draft(
 ):
     """Train an EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
     cfg = quantspec.TrainConfig(n_prompts=prompts, max_answer_tokens=max_answer_tokens, n_wikitext=wikitext,
-                                wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, draft_vocab=draft_vocab,
+                                wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, ce_weight=ce_weight,
+                                draft_vocab=draft_vocab,
                                 train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps,
                                 n_context=context_prompts, context_len=context_len,
                                 fuse_layers=parse_layers(fuse_layers), head_layers=head_layers)
