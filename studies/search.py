@@ -203,9 +203,11 @@ def _check_evaluator(study: optuna.Study, evaluator: TrialEvaluator, floor: str)
                         "options or start a new study")
 
 
-def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that count towards --n-trials: complete, pruned, or failed by their own error (not by a dead worker)."""
-    return [t for t in study.get_trials(deepcopy=False)
+def finished_trials(study: optuna.Study, trials: list[optuna.trial.FrozenTrial] | None = None
+                    ) -> list[optuna.trial.FrozenTrial]:
+    """Trials that count towards --n-trials: complete, pruned, or failed by their own error (not by a dead worker).
+    ``trials``: a snapshot already read (see ``in_flight``)."""
+    return [t for t in (study.get_trials(deepcopy=False) if trials is None else trials)
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
             or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
 
@@ -265,7 +267,8 @@ class TrialRunner:
 
     def _refuse_surplus(self, trial: optuna.Trial) -> None:
         """Workers that started trials at the same moment: those beyond the study's target stop unmeasured."""
-        counted = {t.number for t in finished_trials(self.study)} | {t.number for t in in_flight(self.study)}
+        trials = self.study.get_trials(deepcopy=False)  # one read: a trial finishing between two would be in neither
+        counted = {t.number for t in finished_trials(self.study, trials) + in_flight(self.study, trials)}
         ahead = sum(n < trial.number for n in counted)
         if ahead >= self.settings.n_trials:
             reason = f"not needed: {ahead} earlier trials were finished or running (--n-trials {self.settings.n_trials})"

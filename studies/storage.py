@@ -188,10 +188,12 @@ def _url_of(storage) -> str:
     return getattr(storage, "url", None) or getattr(getattr(storage, "_backend", None), "url", "") or ""
 
 
-def in_flight(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+def in_flight(study: optuna.Study, trials: list[optuna.trial.FrozenTrial] | None = None) -> list[optuna.trial.FrozenTrial]:
     """RUNNING trials whose death would be noticed: all of them on a heartbeat storage; elsewhere those of this
-    host (pid check), since a remote worker that died on a journal file would otherwise be waited for forever."""
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    host (pid check), since a remote worker that died on a journal file would otherwise be waited for forever.
+    ``trials``: a snapshot already read, so that counts taken together come from one read."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
+    running = [t for t in trials if t.state == TrialState.RUNNING]
     if is_heartbeat_enabled(study._storage):
         return running
     host = socket.gethostname()
@@ -207,4 +209,4 @@ def awaiting_trials(study: optuna.Study, now: float | None = None) -> list[optun
     orphans = [t for t in trials if t.state == TrialState.FAIL and t.number not in requeued
                and not ({"error", "surplus"} & set(t.user_attrs)) and "failed_trial" not in t.system_attrs
                and t.datetime_complete is not None and now - t.datetime_complete.timestamp() < REQUEUE_S]
-    return in_flight(study) + [t for t in trials if t.state == TrialState.WAITING] + orphans
+    return in_flight(study, trials) + [t for t in trials if t.state == TrialState.WAITING] + orphans

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -21,7 +22,8 @@ from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, register_evaluator
 from studies.pareto import footer_lines, rich_table, summarize, write_csv, write_json, write_png
 from studies.samplers import SAMPLERS, PerTrialSeed
-from studies.search import SearchSettings, finished_trials, run_search
+from studies.search import SearchSettings, SurplusTrial, TrialRunner, finished_trials, run_search
+from studies.storage import in_flight
 from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
 
 TESTS = Path(__file__).parent
@@ -600,6 +602,43 @@ def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
     stored = sorted(k.split("/", 1)[1] for k in load(url).user_attrs if k.startswith("quality/"))
     assert measurements(log, "quality") == stored  # each transformation's quality measured once, shared
 
+
+
+class FinishesTrialZeroAfterOneRead:
+    """A study whose trial 0 completes right after the first read of its trials: another worker finishing it while
+    this one counts the trials ahead of its own."""
+
+    def __init__(self, study: optuna.Study):
+        self.study, self.reads = study, 0
+
+    def __getattr__(self, name):
+        return getattr(self.study, name)
+
+    def get_trials(self, *args, **kwargs):
+        trials = self.study.get_trials(*args, **kwargs)
+        self.reads += 1
+        if self.reads == 1:
+            self.study.tell(0, 1.0)
+        return trials
+
+
+def test_trial_beyond_the_target_is_surplus_when_one_ahead_finishes_meanwhile():
+    """--n-trials 2: trial 1 finished, trial 0 finishing while trial 2 checks. Trial 2 must count trial 0 (running or
+    finished) and stop as surplus. CI once ended 13 of 12: finished and running were counted from two reads, and a
+    trial that completed between them was in neither (negative control below)."""
+    def setup():
+        study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+        study.ask()
+        study.tell(study.ask(), 1.0)
+        return FinishesTrialZeroAfterOneRead(study), study.ask()
+
+    racing, mine = setup()
+    runner = TrialRunner(racing, SearchSettings(n_trials=2), SimpleNamespace(floor_value=lambda floor: 0.0))
+    with pytest.raises(SurplusTrial, match="2 earlier trials"):
+        runner._refuse_surplus(mine)
+    assert racing.reads == 1 and "surplus" in mine.study.trials[2].user_attrs
+    racing, _ = setup()  # negative control: two reads miss trial 0
+    assert {t.number for t in finished_trials(racing) + in_flight(racing)} == {1, 2}
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_killed_worker_found_by_heartbeat_then_resume(tmp_path, tiny_llama_dir, kind, request):
