@@ -476,6 +476,27 @@ def render_spec_quant(d: dict) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+@bench("eagle_tree_bound*.json", "EAGLE tree drafting: top-w acceptance and the speedup it predicts",
+       "bench/eagle_tree_bound.py",
+       "Before a tree decoder exists: a full tree of widths (w1, w2) drafts the head's top w1 tokens, then the top "
+       "w2 of its second step under each, and greedy verification accepts a level when the target's token is among "
+       "them. Acceptance is teacher-forced on the target's greedy Spec-Bench answers (the top-1 widths are chain "
+       "drafting, checked against the chain record's measured acceptance); the predicted speedup is tau / (V + levels x c) with V the cost of a "
+       "forward over the tree's rows relative to a decode step, measured here, and c the chain's measured one-row draft step (a lower bound on a "
+       "wide level's cost). A prediction, not a measured speedup.")
+def render_tree_bound(d: dict) -> str:
+    r = d["results"]
+    ck = r["chain_check"]
+    head = (f"Head `{r['head']}` (chain record `{r['chain_record']}`), {num(r['positions'])} chain starts. Chain check "
+            f"at K=2: acceptance per position teacher-forced {' / '.join(num(a) for a in ck['teacher_forced'])}, "
+            f"measured {' / '.join(num(a) for a in ck['measured_k2'])}; measured speedup {num(ck['measured_speedup_k2'])}x "
+            f"with c {num(ck['c'], 3)}. Depth-1 acceptance by width: "
+            + ", ".join(f"top-{w} {num(a)}" for w, a in r["depth1"].items()) + ".")
+    rows = [[" x ".join(map(str, s["widths"])), s["rows"], num(s["tau"]), num(s["verify_cost"]),
+             num(s["predicted_speedup"]) + "x"] for s in r["shapes"]]
+    return head + "\n\n" + table(["tree widths", "rows verified", "τ", "V(rows - 1)", "predicted speedup"], rows)
+
+
 @bench("check-lossless-*.json", "Lossless checks of speculative sampling", "quantspec check-lossless --json FILE",
        "Greedy speculative output must equal plain greedy decoding; sampled outputs are judged by TV and "
        "acceptance tests of known false-alarm rate and power (docs/methodology.md). Over a full vocabulary a few "

@@ -2,8 +2,12 @@
 and a negative control (a head blind to the target's hidden state accepts less)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -566,10 +570,6 @@ def test_check_lossless_cli_eagle(trained, tiny_llama_dir, tmp_path, monkeypatch
 def test_spec_quant_bench_smoke(trained, tiny_llama_dir, data_dir, tmp_path):
     """The coupling-table script at tiny settings: target none / w8ch-sym x head fp32 / int8, one Spec-Bench prompt,
     8 tokens; one run record with the six conditions, per-position acceptance and greedy equality per condition."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out, _ = trained
     root = Path(__file__).resolve().parents[1]
     result = tmp_path / "spec_quant.json"
@@ -591,3 +591,77 @@ def test_spec_quant_bench_smoke(trained, tiny_llama_dir, data_dir, tmp_path):
         assert row["k"] == 2 and len(row["acceptance_per_pos"]) == 2 and row["greedy_equal"] == 1
         assert row["speedup"] > 0 and row["refined_speedup"] > 0 and c["baseline"]["tok_s"] > 0
     assert record["results"]["notes"] == "smoke" and record["results"]["head"]["config"]["kind"] == "eagle1"
+
+
+# ---- bench/eagle_tree_bound.py ----
+
+@pytest.fixture(scope="module", params=["full vocabulary", "draft vocabulary"])
+def tree_head(request, trained, tiny, data_dir, tmp_path_factory):
+    if request.param == "full vocabulary":
+        return trained[0]
+    out = tmp_path_factory.mktemp("reduced-head")
+    train_head(tiny, out, dataclasses.replace(FAST, draft_vocab=256), data_dir)
+    return out
+
+
+def test_tree_bound_top1_is_the_proposers_chain(tiny, tree_head):
+    """The teacher-forced levels of bench/eagle_tree_bound.py at width 1 are the EAGLE proposer's greedy chain: at
+    every chain start, depth 1 is hit when the proposer's first draft is the target's token, depth 2 when its second
+    is too; hits only grow with the width. Negative control: target states one position off do not match."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from eagle_tree_bound import top_w_hits
+
+    from runtime.sampling import SamplingConfig
+
+    head, d2t, _ = load_head(tree_head, tiny.config, torch.float32)
+    embed = torch.nn.Embedding.from_pretrained(tiny.model.embed_tokens.weight.detach().float(), freeze=True)
+    draft_ids = d2t if d2t is not None else torch.arange(tiny.model.args.vocab_size)
+    w_draft = tiny.model.lm_head.weight.detach().float()[draft_ids]
+    sd = SpeculativeDecoder(tiny, f"eagle:{tree_head}", 2)
+    prompt = encode_prompt(tiny.tokenizer, PROMPTS[0])
+    ids = prompt + Decoder(tiny).generate(prompt, 40, ignore_eos=True).tokens
+    sd.decoder.reset()
+    sd.decoder.forward(ids)
+    hidden = sd.decoder.hidden[: len(ids)].clone()
+    first, both = [], []
+    for i in range(len(prompt) - 1, len(ids) - 3):
+        sd.decoder.reset()
+        sd.proposer.reset()
+        sd.decoder.forward(ids[: i + 1])
+        a, b = sd.proposer.propose(ids[: i + 2], 2, SamplingConfig(0.0), None).tokens
+        first.append(a == ids[i + 2])
+        both.append(a == ids[i + 2] and b == ids[i + 3])
+    hit1, hit2 = top_w_hits(head, embed, w_draft, draft_ids, torch.tensor(ids), hidden, len(prompt) - 1, 4)
+    assert hit1[:, 0].tolist() == first and (hit1[:, 0] & hit2[:, 0]).tolist() == both
+    assert 0 < sum(first) < len(first)  # both outcomes occur: the comparison can fail
+    assert (hit1[:, 1:] >= hit1[:, :-1]).all() and (hit2[:, 1:] >= hit2[:, :-1]).all()
+    off = torch.cat((hidden[:1], hidden[:-1]))
+    assert top_w_hits(head, embed, w_draft, draft_ids, torch.tensor(ids), off, len(prompt) - 1, 4)[0][:, 0].tolist() != first
+
+
+def test_tree_bound_bench_smoke(trained, tiny_llama_dir, data_dir, tmp_path):
+    """bench/eagle_tree_bound.py at tiny settings: one record with the six conditions; tau = 1 + the depth shares of
+    each shape, rows = 1 + w1 + w1*w2, the prediction tau / (V + levels x c)."""
+    out, _ = trained
+    chain = tmp_path / "chain.json"
+    chain.write_text(json.dumps({"results": {"rows": [{"k": 2, "c": 0.1, "acceptance_per_pos": [0.5, 0.2],
+                                                       "speedup": 1.1}]}}))
+    result = tmp_path / "tree.json"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "eagle_tree_bound.py"), "--head-dir", str(out),
+                           "--chain-record", str(chain), "--model", str(tiny_llama_dir), "--threads", "1",
+                           "--per-category", "1", "--tasks", "mt_bench", "--max-new-tokens", "12", "--widths", "1,2", "--max-rows", "7",
+                           "--data-dir", str(data_dir), "--out", str(result)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(result.read_text())
+    assert {"model", "hardware", "lengths", "arrival", "engine", "metric"} <= set(record)
+    r = record["results"]
+    assert [s["widths"] for s in r["shapes"]] == [[1], [2], [1, 1], [1, 2], [2, 1], [2, 2]]
+    for s in r["shapes"]:
+        w1, *rest = s["widths"]
+        assert s["rows"] == 1 + w1 + (w1 * rest[0] if rest else 0)
+        assert s["tau"] == pytest.approx(1 + r["depth1"][str(w1)] + (r["depth2"][f"{w1}x{rest[0]}"] if rest else 0))
+        assert s["verify_cost"] == r["verify_cost_curve"][s["rows"] - 1]
+        assert s["predicted_speedup"] == pytest.approx(s["tau"] / (s["verify_cost"] + len(s["widths"]) * 0.1))
+    assert r["depth1"]["2"] >= r["depth1"]["1"] and r["chain_check"]["measured_k2"] == [0.5, 0.2]
