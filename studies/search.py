@@ -426,9 +426,12 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
     runner = TrialRunner(study, settings, evaluator)
     deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
     callbacks = [on_trial] if on_trial is not None else []
-    while (finished := len(finished_trials(study))) < settings.n_trials and \
-            (deadline is None or time.monotonic() < deadline):
-        pending = awaiting_trials(study)
+    while True:
+        trials = study.get_trials(deepcopy=False)  # one read for both counts, as in the surplus check
+        finished = len(finished_trials(study, trials))
+        if finished >= settings.n_trials or (deadline is not None and time.monotonic() >= deadline):
+            break
+        pending = awaiting_trials(study, trials=trials)
         if finished + len(pending) >= settings.n_trials and not any(t.state == TrialState.WAITING for t in pending):
             # the rest is running: wait, as it may die
             time.sleep(POLL_S)

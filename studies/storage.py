@@ -200,10 +200,12 @@ def in_flight(study: optuna.Study, trials: list[optuna.trial.FrozenTrial] | None
     return [t for t in running if (t.user_attrs.get(WORKER_ATTR) or {}).get("host", host) == host]
 
 
-def awaiting_trials(study: optuna.Study, now: float | None = None) -> list[optuna.trial.FrozenTrial]:
+def awaiting_trials(study: optuna.Study, now: float | None = None,
+                    trials: list[optuna.trial.FrozenTrial] | None = None) -> list[optuna.trial.FrozenTrial]:
     """Trials that will still run: ``in_flight`` ones, WAITING (re-queued) ones, and those failed for a dead worker
-    in the last REQUEUE_S whose re-queued copy is not there yet (failing and re-queueing are two steps)."""
-    trials = study.get_trials(deepcopy=False)
+    in the last REQUEUE_S whose re-queued copy is not there yet (failing and re-queueing are two steps).
+    ``trials``: a snapshot already read (see ``in_flight``)."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     requeued = {t.system_attrs.get("failed_trial") for t in trials}
     now = time.time() if now is None else now
     orphans = [t for t in trials if t.state == TrialState.FAIL and t.number not in requeued
