@@ -52,6 +52,13 @@ def top_w_hits(head, embed, w_draft, draft_ids, ids, hidden, start, width):
     return hit1, hit2
 
 
+def draft_tables(model, d2t):
+    """(embedding, draft-vocabulary target ids, their LM-head rows), fp32: what the head drafts with."""
+    embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.detach().float(), freeze=True)
+    draft_ids = d2t if d2t is not None else torch.arange(model.args.vocab_size)
+    return embed, draft_ids, model.lm_head.weight.detach().float()[draft_ids]
+
+
 def tree_rows(shape) -> int:
     """Verification rows of a full tree: the root, w1 children, w1 x w2 grandchildren."""
     return 1 + shape[0] + (shape[0] * shape[1] if len(shape) == 2 else 0)
@@ -68,11 +75,7 @@ def main(args) -> RunRecord:
     head, d2t, _ = load_head(args.head_dir, lm.config, torch.float32)
     chain = json.loads(Path(args.chain_record).read_text())["results"]
     row2 = next(r for r in chain["rows"] if r["k"] == 2)
-    model = lm.model
-    embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.detach().float(), freeze=True)
-    w_full = model.lm_head.weight.detach().float()
-    draft_ids = d2t if d2t is not None else torch.arange(w_full.shape[0])
-    w_draft = w_full[draft_ids]
+    embed, draft_ids, w_draft = draft_tables(lm.model, d2t)
     prompts = [encode_prompt(lm.tokenizer, t) for t in spec_bench_prompts(args.per_category, args.data_dir, args.tasks)]
     max_len = max(map(len, prompts)) + args.max_new_tokens + args.max_rows  # V times up to max_rows after a context
     decoder = Decoder(lm, max_len)
@@ -104,7 +107,7 @@ def main(args) -> RunRecord:
         name="eagle-tree-bound",
         model=ModelCondition(args.model, weights_hash(lm.path), "bf16",
                              note=SMOLLM2.note if is_default_model(lm.path) else ""),
-        hardware=hardware_info(model),
+        hardware=hardware_info(lm.model),
         lengths=LengthDistribution(len(prompts), {"mean": sum(lengths) / len(lengths), "min": min(lengths),
                                                   "max": max(lengths)}, {"fixed": args.max_new_tokens},
                                    f"spec_bench: first {args.per_category} of each task {args.tasks}", True),

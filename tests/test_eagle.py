@@ -609,14 +609,12 @@ def test_tree_bound_top1_is_the_proposers_chain(tiny, tree_head):
     every chain start, depth 1 is hit when the proposer's first draft is the target's token, depth 2 when its second
     is too; hits only grow with the width. Negative control: target states one position off do not match."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from eagle_tree_bound import top_w_hits
+    from eagle_tree_bound import draft_tables, top_w_hits
 
     from runtime.sampling import SamplingConfig
 
     head, d2t, _ = load_head(tree_head, tiny.config, torch.float32)
-    embed = torch.nn.Embedding.from_pretrained(tiny.model.embed_tokens.weight.detach().float(), freeze=True)
-    draft_ids = d2t if d2t is not None else torch.arange(tiny.model.args.vocab_size)
-    w_draft = tiny.model.lm_head.weight.detach().float()[draft_ids]
+    embed, draft_ids, w_draft = draft_tables(tiny.model, d2t)
     sd = SpeculativeDecoder(tiny, f"eagle:{tree_head}", 2)
     prompt = encode_prompt(tiny.tokenizer, PROMPTS[0])
     ids = prompt + Decoder(tiny).generate(prompt, 40, ignore_eos=True).tokens

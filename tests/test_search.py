@@ -603,7 +603,6 @@ def test_three_workers_share_one_study(tmp_path, tiny_llama_dir, kind, request):
     assert measurements(log, "quality") == stored  # each transformation's quality measured once, shared
 
 
-
 class FinishesTrialZeroAfterOneRead:
     """A study whose trial 0 completes right after the first read of its trials: another worker finishing it while
     this one counts the trials ahead of its own."""
@@ -639,6 +638,7 @@ def test_trial_beyond_the_target_is_surplus_when_one_ahead_finishes_meanwhile():
     assert racing.reads == 1 and "surplus" in mine.study.trials[2].user_attrs
     racing, _ = setup()  # negative control: two reads miss trial 0
     assert {t.number for t in finished_trials(racing) + in_flight(racing)} == {1, 2}
+
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_killed_worker_found_by_heartbeat_then_resume(tmp_path, tiny_llama_dir, kind, request):
