@@ -115,8 +115,9 @@ def conditions(rec: dict, title: str = "Conditions") -> str:
         f"- kernels: {kernels_text(kernels) if kernels else 'per row below, or not recorded in this record'}",
     ]
     if picks:
-        lines.append("- kernel speed picks of the probe (decode): "
-                     + "; ".join(f"{shape}: {v['rank']['decode'][0]}" for shape, v in picks.items()))
+        lines.append("- kernel speed picks of the probe (decode / batch shape class): "
+                     + "; ".join(f"{shape}: {v['rank']['decode'][0]} / {v['rank']['batch'][0]}"
+                                 for shape, v in picks.items() if "rank" in v))
     lines += [
         f"- lengths: {ln.get('n_requests')} requests, input {compact(ln.get('input_tokens'))}, "
         f"output {compact(ln.get('output_tokens'))}, fixed output length {num(ln.get('fixed_output_length'))}; "

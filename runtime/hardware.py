@@ -168,6 +168,7 @@ def _nvidia_driver() -> str | None:
 # ---- speed: which of several interchangeable implementations is fastest here, per shape class ----
 
 SHAPE_CLASSES = {"decode": 1, "batch": 128}  # rows per call: one decode step; verification/prefill/eval
+EXACT_ROWS = 33  # the widest speculative verification (K + 1, K <= 32): bf16 rows up to it must be batch-invariant
 
 
 def shape_class(rows: int) -> str:
@@ -243,7 +244,7 @@ def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]
 
 
 def measured_speeds() -> dict:
-    """Every micro-benchmark this machine has run (for run records)."""
+    """Every micro-benchmark (and row-invariance probe) this machine has run (for run records)."""
     return dict(_speed_cache())
 
 
@@ -265,31 +266,31 @@ def hardware_line(model: torch.nn.Module | None = None) -> str:
 
 # ---- exactness: does a row's output depend on the rows computed with it? ----
 
-_INVARIANCE: dict[tuple, str | None] = {}
-
-
 def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], in_features: int,
                    dtype: torch.dtype = torch.bfloat16) -> str | None:
     """How ``linear`` gives every row bitwise the same output alone as among others: ``"alone"`` (as is),
     ``"two-rows"`` (only when a lone row runs duplicated: oneDNN's one-row kernel sums in another order), or
-    None (neither: rows depend on the batch). Probed once per ``key`` and thread count with heavy-tailed rows
+    None (neither: rows depend on the batch). Probed once per ``key`` and machine (cached beside the speeds: the
+    default model's LM head takes seconds) with heavy-tailed rows
     (the activations that expose a different summation order), as fresh tensors at several offsets (some GEMMs
-    take other paths for other alignments), at every row count a verification uses (1..9), twice over."""
-    key = (*key, in_features, dtype, torch.get_num_threads())
-    if key not in _INVARIANCE:
+    take other paths for other alignments), at the row counts a verification uses (1..9, and up to
+    ``EXACT_ROWS``), twice over."""
+    name = "rows-invariant/" + "/".join(map(str, (*key, in_features, dtype)))
+    if name not in _speed_cache():
         g = torch.Generator().manual_seed(0)
-        x = (torch.randn(33, in_features, generator=g) * torch.randn(33, in_features, generator=g).exp()).to(dtype)
+        n = EXACT_ROWS + 7
+        x = (torch.randn(n, in_features, generator=g) * torch.randn(n, in_features, generator=g).exp()).to(dtype)
         together = linear(x)
-        starts = range(0, 24, 3)
 
         def same(m: int, run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-            return all(torch.equal(run(x[j:j + m].clone()), together[j:j + m]) for j in starts for _ in range(2))
+            return all(torch.equal(run(x[j:j + m].clone()), together[j:j + m])
+                       for j in range(0, min(24, n - m + 1), 3) for _ in range(2))
 
-        many = all(same(m, linear) for m in range(2, 10))
+        many = all(same(m, linear) for m in (*range(2, 10), 16, 17, EXACT_ROWS))
         alone = same(1, linear)
         doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1])
-        _INVARIANCE[key] = None if not many else "alone" if alone else "two-rows" if doubled else None
-    return _INVARIANCE[key]
+        _store_speed(name, {"how": None if not many else "alone" if alone else "two-rows" if doubled else None})
+    return _speed_cache()[name]["how"]
 
 
 # ---- vLLM: which of its CPU ops the installed engine has ----
@@ -327,4 +328,3 @@ def reset() -> None:
     probe.cache_clear()
     vllm_ops.cache_clear()
     _SPEEDS.clear()
-    _INVARIANCE.clear()

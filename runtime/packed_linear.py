@@ -9,18 +9,23 @@ faster (what inductor's weight freezing does; measured in bench/results, decode-
   (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
   missing the others are labelled as a fallback.
 
-Where the prepacked kernel is missing, the fastest fallback at decode is taken per weight shape, measured once
-per machine (``runtime.hardware.ranked``); in bf16 the fastest whose rows are batch-invariant (below). The pack is built on the first no-grad forward and
-rebuilt whenever the weight changes (in-place edits bump ``weight._version``), so it can never be stale; the
-plain weight stays the source of truth.
+Where the prepacked kernel is missing, kernels are ranked per weight shape at one row (decode) and at 128
+(prefill, evaluation), measured once per machine (``runtime.hardware.ranked``). bf16 takes the fastest at decode
+whose rows are batch-invariant (below) for up to ``EXACT_ROWS`` rows, and the fastest at 128 rows above that: on
+an AVX2 CPU ``aten-bf16`` is the invariant one but ``fp32-upcast`` multiplies 128 rows 4.5-6x faster
+(bench/results/decode-bf16.amd-epyc-avx2.json). The pack is built on the first no-grad forward and rebuilt
+whenever the weight changes (in-place edits bump ``weight._version``), so it can never be stale; the plain weight
+stays the source of truth.
 
 bf16 rows must be batch-invariant for exact speculation: a row's output may not depend on how many rows run
-with it. Every bf16 kernel is probed for that (``runtime.hardware.row_invariance``): oneDNN's one-row kernel
+with it, up to the widest verification (plain and speculative decoding prefill the same rows on the same
+kernel). Every bf16 kernel is probed for that (``runtime.hardware.row_invariance``): oneDNN's one-row kernel
 sums wide inputs in another order, so those layers run a lone row as two; a kernel with no invariant form is
 reported (``batch_invariant`` False) and bf16 speculation refuses it (``specdec.speculative``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.hardware import probe, ranked, row_invariance
+from runtime.hardware import EXACT_ROWS, probe, ranked, row_invariance
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -73,8 +78,9 @@ def candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Fn]]:
     return {name: make for name, make in DENSE.get(dtype, {}).items() if not missing.get(name)}
 
 
-def _by_speed(dtype: torch.dtype, shape: torch.Size) -> list[str]:
-    """This dtype's kernels, fastest first at decode (one row: what generation runs), measured once per machine."""
+def _by_speed(dtype: torch.dtype, shape: torch.Size) -> dict[str, list[str]]:
+    """This dtype's kernels, fastest first per shape class (one row: a decode step; 128 rows: prefill and
+    evaluation), measured once per machine."""
     n, k = shape
 
     def timed(make: Callable[[torch.Tensor], Fn]):
@@ -82,7 +88,7 @@ def _by_speed(dtype: torch.dtype, shape: torch.Size) -> list[str]:
         return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(dtype))
 
     names = candidates(dtype)
-    return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})["decode"]
+    return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})
 
 
 def _invariant(fn: Fn, name: str, shape: torch.Size) -> tuple[Fn, bool]:
@@ -94,30 +100,38 @@ def _invariant(fn: Fn, name: str, shape: torch.Size) -> tuple[Fn, bool]:
     return fn, how == "alone"
 
 
+def by_rows(narrow: Fn, make_wide: Callable[[], Fn]) -> Fn:
+    """``narrow`` for up to ``EXACT_ROWS`` rows (decode steps and every verification), the wide kernel above
+    (prefill, evaluation), built on its first call."""
+    wide = functools.cache(make_wide)
+    return lambda x: narrow(x) if x.shape[0] <= EXACT_ROWS else wide()(x)
+
+
 def pack(weight: torch.Tensor) -> DenseKernel | None:
-    """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere the
-    fastest fallback here, in bf16 the fastest whose rows are batch-invariant (exact speculation), or the
-    fastest when none is. Fallbacks are labelled as such."""
+    """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere
+    the fastest fallback here. In bf16: for up to ``EXACT_ROWS`` rows the fastest at decode whose rows are
+    batch-invariant (exact speculation; the fastest when none is), above that the fastest at 128 rows.
+    Fallbacks are labelled as such."""
     makers = candidates(weight.dtype)
     if not makers:
         return None
     prepacked = [name for name in makers if name.endswith("-prepacked")]
     if prepacked:
-        order = prepacked + [n for n in makers if n not in prepacked]
+        decode = batch = prepacked + [n for n in makers if n not in prepacked]
     else:
-        order = _by_speed(weight.dtype, weight.shape)
+        rank = _by_speed(weight.dtype, weight.shape)
+        decode, batch = rank["decode"], rank["batch"]
     missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
-    kernels = []
-    for name in order:
-        fn = makers[name](weight)
-        label = f"{name} (fallback: {missing})" if missing else name
-        if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
-            return DenseKernel(fn, label, False)
-        fn, invariant = _invariant(fn, name, weight.shape)
-        kernels.append(DenseKernel(fn, label, invariant))
-        if invariant:
-            return kernels[-1]
-    return kernels[0]
+    fallback = f" (fallback: {missing})" if missing else ""
+    if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
+        return DenseKernel(makers[decode[0]](weight), decode[0] + fallback, False)
+    tried = ((name, *_invariant(makers[name](weight), name, weight.shape)) for name in decode)
+    first = next(tried)
+    name, fn, invariant = first if first[2] else next((t for t in tried if t[2]), first)
+    if batch[0] == name:
+        return DenseKernel(fn, name + fallback, invariant)
+    return DenseKernel(by_rows(fn, lambda: makers[batch[0]](weight)),
+                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant)
 
 
 class DensePack:

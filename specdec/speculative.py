@@ -7,7 +7,7 @@ import time
 import torch
 
 from runtime.errors import UserError
-from runtime.hardware import sync
+from runtime.hardware import EXACT_ROWS, sync
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
@@ -15,7 +15,7 @@ from specdec.proposers import Proposer, build_proposer
 from runtime.sampling import SamplingConfig, next_token
 from specdec.verify import verify
 
-MAX_K = 32
+MAX_K = EXACT_ROWS - 1  # a verification's rows (K + 1) stay where bf16 kernels are probed batch-invariant
 
 
 def check_k(k: int) -> int:

@@ -52,7 +52,7 @@ def test_unknown_override_is_one_line(monkeypatch):
     assert_one_line_error(run_cli("generate", "-p", "hi", env={hardware.OVERRIDE_ENV: "sse9"}), "not a feature set")
 
 
-def test_row_invariance_probe_and_its_negative_controls():
+def test_row_invariance_probe_and_its_negative_controls(reprobe):
     w = torch.randn(48, 64).to(torch.bfloat16)
     exact = lambda x: torch.stack([(r.float() * w.float()).sum(-1) for r in x]).to(torch.bfloat16)
     assert hardware.row_invariance(("test-exact",), exact, 64) == "alone"
@@ -61,6 +61,24 @@ def test_row_invariance_probe_and_its_negative_controls():
     assert hardware.row_invariance(("test-batch",), batch_dependent, 64) is None
     lone_row_differs = lambda x: exact(x) + (0.5 if x.shape[0] == 1 else 0)
     assert hardware.row_invariance(("test-lone",), lone_row_differs, 64) == "two-rows"
+    # and one that changes path only above 9 rows, inside the widest verification (K = 32)
+    wide_path_differs = lambda x: exact(x) + (0.5 if 9 < x.shape[0] <= hardware.EXACT_ROWS else 0)
+    assert hardware.row_invariance(("test-wide",), wide_path_differs, 64) is None
+
+
+def test_bf16_rows_up_to_the_widest_verification_take_the_invariant_kernel():
+    """``by_rows`` routes every verification width (K + 1 <= EXACT_ROWS) to the invariant kernel and only wider
+    products (prefill, evaluation) to the batch kernel, built on first use."""
+    from runtime.packed_linear import by_rows
+    from specdec.speculative import MAX_K
+
+    built = []
+    fn = by_rows(lambda x: torch.zeros(x.shape[0]), lambda: built.append(1) or (lambda x: torch.ones(x.shape[0])))
+    assert MAX_K + 1 == hardware.EXACT_ROWS and not built
+    assert all(fn(torch.empty(m, 4)).sum() == 0 for m in (1, 9, MAX_K + 1)) and not built
+    assert fn(torch.empty(hardware.EXACT_ROWS + 1, 4)).sum() == hardware.EXACT_ROWS + 1 and built == [1]
+    fn(torch.empty(200, 4))
+    assert built == [1]
 
 
 def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
@@ -73,11 +91,16 @@ def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=0.05, rtol=0.02)
     assert "fallback" in layer.kernel_detail and "onednn" not in layer.kernel_detail
     kernel = layer.kernel_detail.split(" ")[0]
-    rank = hardware.measured_speeds()["dense-bfloat16/96x576"]["rank"]["decode"]
-    assert set(rank) == {"aten-bf16", "fp32-upcast"} and kernel in rank  # the faster, or the only invariant one
-    rows = torch.randn(9, 576).to(torch.bfloat16)
+    rank = hardware.measured_speeds()["dense-bfloat16/96x576"]["rank"]
+    assert set(rank["decode"]) == {"aten-bf16", "fp32-upcast"} and kernel in rank["decode"]  # faster, or invariant
+    wide = rank["batch"][0]  # above the widest verification: the fastest at 128 rows, named beside it
+    assert (f"{kernel} up to {hardware.EXACT_ROWS} rows, {wide} above" in layer.kernel_detail) == (wide != kernel)
+    rows = torch.randn(hardware.EXACT_ROWS + 8, 576).to(torch.bfloat16)
     with torch.no_grad():
-        alone_equal = all(torch.equal(layer(rows[i:i + 1]), layer(rows)[i:i + 1]) for i in range(9))
+        many = layer(rows)
+        torch.testing.assert_close(many, F.linear(rows, layer.weight), atol=0.05, rtol=0.02)
+        verify = layer(rows[:hardware.EXACT_ROWS])
+        alone_equal = all(torch.equal(layer(rows[i:i + 1]), verify[i:i + 1]) for i in range(hardware.EXACT_ROWS))
     if layer.batch_invariant:
         assert alone_equal
 
