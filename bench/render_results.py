@@ -576,7 +576,9 @@ def render_study_cost(d: dict) -> str:
 
 @bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
        "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
-       "rows; `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
+       "rows, `~` those behind the front on point estimates only (no row beats them beyond both CIs); `speedup` is "
+       "paired with the reference (median of per-round ratios, bootstrap CI over `rounds`; `noisy` where the CI "
+       "stayed wider than the noise threshold; rows without a CI were measured before pairing); `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
        "twin; `quality` says where a row's quality comes from (measured, exact by construction, verified equal to "
        "its twin, or why it has none); `len ×ref` is the mean output length with natural end-of-turn over the "
        "reference's (the search's second gate). Plot: [demo-pareto.png](demo-pareto.png).")
@@ -586,8 +588,12 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
         ci = x.get("ci") or [None, None]
         ex = x.get("exact")
         greedy = "" if not ex else ("yes" if ex["equal"] else f"NO {sum(ex['equal_per_prompt'])}/{ex['n_prompts']}")
-        rows.append(["*" if x["pareto"] else "", x["number"], x["state"], x["label"], x["backend"], num(x["tok_s"], 1),
-                     num(x["speedup"]) + "x", pct(x["accuracy"]), f"{pct(x['delta'])} [{pct(ci[0])}, {pct(ci[1])}]",
+        sci = x.get("speedup_ci")
+        speedup = num(x["speedup"]) + "x" + (f" [{num(sci[0])}, {num(sci[1])}]" if sci else "") + \
+            (" noisy" if x.get("noisy") else "")
+        mark = "*" if x["pareto"] else "~" if x.get("not_separable") else ""
+        rows.append([mark, x["number"], x["state"], x["label"], x["backend"], num(x["tok_s"], 1),
+                     speedup, num(x.get("rounds")), pct(x["accuracy"]), f"{pct(x['delta'])} [{pct(ci[0])}, {pct(ci[1])}]",
                      num(x["flips"]), num(x["kl"], 4), f"{num(x['alpha'])} / {num(x['tau'])}", greedy,
                      x.get("quality_basis") or "not recorded", num(x.get("length_ratio")), num(x["feasible"]), "–" if x["duplicate_of"] is None else f"#{x['duplicate_of']}",
                      "; ".join(filter(None, [x["reason"], *(x.get("infeasible_because") or [])])),
@@ -598,7 +604,7 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
         f"{compact(d.get('length_band', 'not recorded'))}; speedup reference: {compact(ref)}. "
         "This file holds the table, not a run record: the speed and quality conditions of each trial live in the "
         "study's storage (see docs/methodology.md for the protocol).",
-        table(["", "#", "state", "config", "backend", "tok/s", "speedup", "acc %", "Δ pts [CI]", "flips", "KL",
+        table(["", "#", "state", "config", "backend", "tok/s", "speedup [CI]", "rounds", "acc %", "Δ pts [CI]", "flips", "KL",
                "α / τ", "greedy =", "quality", "len ×ref", "feasible", "same as", "pruned / infeasible because",
                "notes"], rows),
         "The `notes` column names the notes this JSON attaches to rows ("
@@ -611,6 +617,36 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
 bench("study_cost-pareto.json", "Search cost: the searched table", "bench/study_cost.py",
       "The table of the study timed above, columns as in the demo table below; the study itself is kept in "
       "`study_cost/study.db` (`quantspec pareto --study-dir bench/results/study_cost --study-name study-cost`).")(partial(render_demo, plot=None))
+
+
+@bench("noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",
+       "The demo's configurations measured on an idle machine and with a busy-loop process pinned to one core "
+       "(started and stopped by the script), under the old protocol (each configuration timed once against a "
+       "reference timed once at the start, torch's default threads) and the new one (paired with the resident "
+       "reference in interleaved rounds, threads chosen by the probe, the noise guard on). `error` = hogged "
+       "speedup over idle speedup, as a change. Target: every new row within the tolerance or flagged noisy, at most a third "
+       "flagged.")
+def render_noise(d: dict) -> str:
+    r = d["results"]["summary"]
+    rows = [[x["config"], num(x["old_idle"]) + "x", num(x["old_hog"]) + "x", pct(x["old_error"], 0),
+             f"{num(x['new_idle'])}x [{num(x['new_idle_ci'][0])}, {num(x['new_idle_ci'][1])}]",
+             f"{num(x['new_hog'])}x [{num(x['new_hog_ci'][0])}, {num(x['new_hog_ci'][1])}]", pct(x["new_error"], 0),
+             f"{x['rounds_idle']} / {x['rounds_hog']}", num(x["noisy"]), num(x["ok"]),
+             f"{num(x['tok_s_idle'], 1)} / {num(x['tok_s_hog'], 1)}"] for x in r["rows"]]
+    dec = [[how, num(v["idle_tok_s"], 1), v["threads_idle"], num(v["hog_tok_s"], 1), v["threads_hog"],
+            num(v["idle_over_hog"]) + "x"] for how, v in r["decode"].items()]
+    loads = {c: d["results"][c]["load"] for c in ("idle", "hog")}
+    return "\n\n".join([
+        table(["config", "old idle", "old hog", "old error %", "new idle [CI]", "new hog [CI]", "new error %",
+               "rounds idle / hog", "noisy", "ok", "tok/s idle / hog (new)"], rows),
+        f"Tolerance ±{pct(r['tolerance'], 0)}%; rows flagged noisy {r['flagged']} (at most {r['max_flagged']}); "
+        f"target met: {num(r['target_met'])}.",
+        table(["threads", "idle decode tok/s", "threads idle", "hogged decode tok/s", "threads hogged",
+               "idle / hogged"], dec),
+        f"Decode target: hogged within {num(r['decode_target_idle_over_hog'], 1)}x of idle with the probe's "
+        f"threads: {num(r['decode_target_met'])}. Load: idle {compact(loads['idle'])}; hogged {compact(loads['hog'])}; "
+        f"wall {num(d['results']['wall_s'], 0)} s.",
+    ])
 
 
 # ----------------------------------------------------------------------------------------------- page

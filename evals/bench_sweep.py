@@ -1,34 +1,106 @@
-"""``quantspec.benchmark``: every serving config at every load, one engine per config reused across loads,
-speculative configs paired with the matching no-speculation run as their speedup baseline."""
+"""``quantspec.benchmark``: every serving config at every load, speculative configs paired with the matching
+no-speculation run as their speedup baseline; ``repeats`` > 1 repeats each load point and reports every metric's
+mean and 95% CI across repeats (runtime.measure.mean_ci).
+
+Engines of an interleavable backend (native) are all started first and alternate run by run within each repeat
+(order reversed every other repeat), so a speculative config and its baseline see the same load; other backends
+(a vLLM engine per config) run config after config, and the record says so (``repeats.granularity``).
+"""
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Callable
 
-from evals.backends import open_backend
-from evals.bench_api import run_benchmark
+from evals.backends import backend_class, open_backend
+from evals.bench_api import BenchResult, run_benchmark
 from evals.serving_metrics import SLO
+from runtime.errors import UserError
+from runtime.measure import LoadWindow, mean_ci
 
 # progress(label, total) -> advance(): one counter per (config, load), advanced once per finished request
 ProgressFactory = Callable[[str, int], Callable[[], None]]
+REPEATED = {"effective_tok_s": ("effective_tok_s",), "requests_s": ("requests_s",), "goodput_rps": ("goodput_rps",),
+            "ttft_p50_s": ("ttft_s", "p50"), "tpot_p50_s": ("tpot_s", "p50"), "itl_p50_s": ("itl_s", "p50"),
+            "e2e_p50_s": ("e2e_s", "p50"), "speedup": ("speedup",)}
 
 
 def benchmark(configs: list, loads: list, workload: str = "short-short", num_prompts: int = 16,
               output_len: int | None = None, ignore_eos: bool = True, data_dir=None, slo: SLO = SLO(),
-              progress: ProgressFactory = lambda _label, _total: (lambda: None)) -> list:
-    """Runs (evals.bench_api.BenchmarkRun) for ``configs`` x ``loads`` (evals.loadgen.LoadSpec), in order.
+              progress: ProgressFactory = lambda _label, _total: (lambda: None), repeats: int = 1) -> list:
+    """Runs (evals.bench_api.BenchResult) for ``configs`` x ``loads`` (evals.loadgen.LoadSpec), one per point, in
+    order; with ``repeats`` > 1 each is the last repeat, its summary holding ``repeats`` (mean and CI per metric).
     A speculative config gets the matching no-speculation run at the same load as baseline (put it first, e.g.
     ``[config.without_spec(), config]``). Stops at the first failed measurement."""
-    runs, baselines = [], {}
-    for config in configs:
-        with open_backend(config) as engine:
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    together = all(backend_class(c).interleavable for c in configs)
+    runs: list[BenchResult] = []
+    baselines: dict = {}  # load -> the latest no-speculation run at it
+    with ExitStack() as stack:
+        engines = {id(c): stack.enter_context(open_backend(c)) for c in configs} if together else {}
+        for config in configs if not together else [None]:
+            if config is not None:  # one engine at a time
+                engines = {id(config): stack.enter_context(open_backend(config))}
+            group = configs if config is None else [config]
             for load in loads:
-                advance = progress(f"{config.label} {load.label}", num_prompts)
-                run = run_benchmark(config, workload, load, backend=engine, num_prompts=num_prompts,
-                                    output_len=output_len, ignore_eos=ignore_eos, data_dir=data_dir, slo=slo,
-                                    baseline=baselines.get(load) if config.speculative else None,
-                                    progress=lambda _r, a=advance: a())
-                runs.append(run)
-                baselines[load] = run
-                if run.failed:
+                done = _repeat(group, engines, load, repeats, runs, baselines.setdefault(load, {}), dict(workload=workload, num_prompts=num_prompts,
+                               output_len=output_len, ignore_eos=ignore_eos, data_dir=data_dir, slo=slo), progress,
+                               "interleaved: configs alternate run by run" if together else "config after config")
+                if not done:
                     return runs
+            if config is not None:
+                engines[id(config)].close()
     return runs
+
+
+def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline: dict, kw: dict,
+            progress: ProgressFactory, granularity: str) -> bool:
+    """Every config of ``group`` at ``load``, ``repeats`` times; appends one BenchResult per config to ``runs``.
+    ``baseline["base"]``: the latest no-speculation run at this load (speculative configs' speedup baseline).
+    False after a failed run."""
+    samples: dict[int, list[BenchResult]] = {id(c): [] for c in group}
+    window = LoadWindow.start()
+    for r in range(repeats):
+        order = group if r % 2 == 0 or len(group) == 1 else _reversed_keeping_baselines(group)
+        for config in order:
+            advance = progress(f"{config.label} {load.label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
+                               kw["num_prompts"])
+            run = run_benchmark(config, kw["workload"], load, backend=engines[id(config)], **{
+                k: kw[k] for k in ("num_prompts", "output_len", "ignore_eos", "data_dir", "slo")},
+                baseline=baseline.get("base") if config.speculative else None, progress=lambda _r, a=advance: a())
+            if run.failed:
+                runs.append(run)
+                return False
+            if not config.speculative:
+                baseline["base"] = run
+            samples[id(config)].append(run)
+    window.stop()
+    for config in group:
+        last = samples[id(config)][-1]
+        if repeats > 1:
+            last.summary["repeats"] = _stats(samples[id(config)]) | {"n": repeats, "granularity": granularity,
+                                                                   "load": window.to_dict()}
+        runs.append(last)
+    return True
+
+
+def _reversed_keeping_baselines(group: list) -> list:
+    """Reverse the run order, but keep each speculative config after its baseline (it needs one to compare)."""
+    plain = [c for c in group if not c.speculative]
+    spec = [c for c in group if c.speculative]
+    return plain[::-1] + spec[::-1] if plain and spec else group[::-1]
+
+
+def _stats(results: list[BenchResult]) -> dict:
+    out = {}
+    for name, path in REPEATED.items():
+        values = []
+        for res in results:
+            value = res.summary
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)):
+                values.append(float(value))
+        if len(values) == len(results):
+            out[name] = mean_ci(values).to_dict()
+    return out

@@ -14,7 +14,9 @@ from runtime.hardware import sync
 from runtime.loading import LoadedModel, load_model
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from runtime.generate import Decoder, encode_prompt
+from runtime.measure import Sample, SpeedProtocol, paired_ratio
 from runtime.sampling import SamplingConfig
+from runtime.threads import apply_threads
 
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -28,6 +30,8 @@ class DecodeSpeed:
     roofline_pct: float
     tokens: list[int]
     fallback: str | None = None  # why a compiled step ran eager instead
+    decode_tok_s_ci: list | None = None  # 95% CI across rounds when measured paired
+    rounds: int | None = None
 
 
 def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int,
@@ -43,11 +47,37 @@ def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repea
                        100 * tok_s / roof, runs[0].tokens, decoder.step.fallback if decoder.step else None)
 
 
-def hf_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int, bandwidth: float) -> DecodeSpeed:
+def load_hf(lm: LoadedModel):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).to(lm.device).eval()
-    return hf_model_decode(hf, prompt_ids, new_tokens, repeats, bandwidth, lm.tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).to(lm.device).eval()
+
+
+def native_block(lm: LoadedModel, prompt_ids: list[int], new_tokens: int):
+    """One native greedy generation per call: its decode tokens and seconds (prefill excluded)."""
+    decoder = Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8)
+
+    def block(_unit: int) -> Sample:
+        r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True)
+        return Sample(len(r.tokens) - 1, r.decode_s)
+
+    return block
+
+
+def hf_block(hf, prompt_ids: list[int], new_tokens: int, prefill_s: float, pad_token_id: int | None):
+    """One HF ``generate`` per call: decode tokens and seconds (its measured prefill subtracted, as above)."""
+    ids = torch.tensor([prompt_ids], device=hf.device)
+
+    @torch.inference_mode()
+    def block(_unit: int) -> Sample:
+        sync(hf.device)
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                    pad_token_id=pad_token_id, attention_mask=torch.ones_like(ids))
+        sync(hf.device)
+        return Sample(new_tokens - 1, time.perf_counter() - t - prefill_s)
+
+    return block
 
 
 @torch.inference_mode()
@@ -84,23 +114,35 @@ def _hf_bytes(hf) -> int:
 
 def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int = 128, repeats: int = 3,
                    prompt: str = DEFAULT_PROMPT, threads: int | None = None, with_hf: bool = True,
-                   device: str = "cpu") -> RunRecord:
-    """Native vs HF decode on one prompt on ``device``; returns a run record with both speeds and their ratio."""
+                   device: str = "cpu", protocol: SpeedProtocol | None = None) -> RunRecord:
+    """Native vs HF decode on one prompt on ``device``; returns a run record with both speeds and their ratio,
+    measured paired (one generation each, alternating; ``protocol``: the rounds and noise threshold)."""
     lm = load_model(model, dtype, threads, device=device)
+    choice = apply_threads(lm.model, threads)
     prompt_ids = encode_prompt(lm.tokenizer, prompt)
     bandwidth = measure_bandwidth(device=lm.device)
     rows = [native_decode(lm, prompt_ids, new_tokens, repeats, bandwidth)]
+    results = {"threads": choice.to_dict()}
     if with_hf:
-        rows.append(hf_decode(lm, prompt_ids, new_tokens, repeats, bandwidth))
-    results = {
+        hf = load_hf(lm)
+        rows.append(hf_model_decode(hf, prompt_ids, new_tokens, repeats, bandwidth, lm.tokenizer.eos_token_id))
+        paired = paired_ratio(hf_block(hf, prompt_ids, new_tokens, rows[1].prefill_ms / 1e3, lm.tokenizer.eos_token_id),
+                              native_block(lm, prompt_ids, new_tokens), 1, protocol or SpeedProtocol(),
+                              f"one greedy generation of {new_tokens} tokens, decode time only")
+        for row, spread in zip(rows, (paired.candidate, paired.reference)):
+            row.decode_tok_s, row.decode_tok_s_ci, row.rounds = spread.value, list(spread.ci), spread.n
+        results |= {"native_over_hf": paired.ratio.value, "native_over_hf_ci": list(paired.ratio.ci),
+                    "noisy": paired.noisy, "paired": paired.to_dict(),
+                    "greedy_tokens_equal": rows[0].tokens == rows[1].tokens}
+    roof = bandwidth / decode_bytes_per_token(lm.model)
+    for row in rows:
+        row.roofline_pct = 100 * row.decode_tok_s / roof
+    results |= {
         "bandwidth_gb_s": bandwidth / 1e9,
         "bytes_per_token": decode_bytes_per_token(lm.model),
-        "roofline_tok_s": bandwidth / decode_bytes_per_token(lm.model),
+        "roofline_tok_s": roof,
         "rows": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in rows],
     }
-    if with_hf:
-        results["native_over_hf"] = rows[0].decode_tok_s / rows[1].decode_tok_s
-        results["greedy_tokens_equal"] = rows[0].tokens == rows[1].tokens
     return RunRecord(
         name="decode-speed",
         model=ModelCondition(str(model), weights_hash(lm.path), lm.precision,
@@ -113,7 +155,9 @@ def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int 
                                warmup="one 8-token generation per engine, excluded",
                                cache_warmth="KV cache reset per request; weights resident in RAM"),
         metric=MetricCondition(
-            {"decode_tok_s": "median over repeats of (new_tokens-1)/decode seconds, prefill excluded",
+            {"decode_tok_s": "median over rounds of (new_tokens-1)/decode seconds, prefill excluded; with HF: "
+                             "native and HF generations alternate (runtime.measure.paired_ratio)",
+             "native_over_hf": "median of per-pair native/HF decode-rate ratios, bootstrap 95% CI",
              "roofline_pct": "decode tok/s / (measured read bandwidth / weight bytes per token)"},
             "greedy, ignore_eos, fixed output length; native and HF tokens compared"),
         results=results,

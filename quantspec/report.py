@@ -81,14 +81,26 @@ def print_decode_comparison(record) -> None:
     res = record.results
     table = Table(title=f"batch-1 greedy decode, {record.model.model_id} {record.model.precision}, "
                         f"{record.lengths.output_tokens['fixed']} new tokens (ignore_eos)")
-    for col in ("engine", "decode tok/s", "prefill ms", "% of roofline"):
+    for col in ("engine", "decode tok/s [95% CI]", "prefill ms", "% of roofline"):
         table.add_column(col, justify="right")
     for row in res["rows"]:
-        table.add_row(row["engine"], f"{row['decode_tok_s']:.1f}", f"{row['prefill_ms']:.0f}", f"{row['roofline_pct']:.0f}%")
+        ci = row.get("decode_tok_s_ci")
+        spread = f" [{ci[0]:.1f}, {ci[1]:.1f}] (n={row['rounds']})" if ci else ""
+        table.add_row(row["engine"], f"{row['decode_tok_s']:.1f}{spread}", f"{row['prefill_ms']:.0f}",
+                      f"{row['roofline_pct']:.0f}%")
     console.print(table)
     console.print(f"bandwidth {res['bandwidth_gb_s']:.1f} GB/s, {res['bytes_per_token'] / 2**20:.0f} MiB/token -> "
                   f"roofline {res['roofline_tok_s']:.1f} tok/s")
     if "native_over_hf" in res:
-        console.print(f"native / HF = [bold]{res['native_over_hf']:.2f}x[/], greedy tokens equal: {res['greedy_tokens_equal']}")
+        lo, hi = res.get("native_over_hf_ci") or (float("nan"), float("nan"))
+        paired = res.get("paired") or {}
+        console.print(f"native / HF = [bold]{res['native_over_hf']:.2f}x[/] [95% CI {lo:.2f}, {hi:.2f}] over "
+                      f"{paired.get('rounds')} interleaved rounds{' [yellow]noisy[/]' if res.get('noisy') else ''}; "
+                      f"greedy tokens equal: {res['greedy_tokens_equal']}")
+        if paired.get("load"):
+            load = paired["load"]
+            console.print(f"[dim]load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} cores, "
+                          f"steal {load['steal_pct']}%; {res['threads']['threads']} thread(s) "
+                          f"({res['threads']['how']})[/]")
     if record.model.note:
         console.print(f"[yellow]note:[/] {record.model.note}")

@@ -4,6 +4,7 @@ Evaluators register by name (``real`` is the default and the only one shipped); 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
@@ -13,12 +14,14 @@ from studies.space import SearchSpace, TrialConfig, serving_config
 from evals.floor import Floor
 from runtime.data import find_data_dir
 from runtime.loading import set_threads
+from runtime.measure import PairedRatio, SpeedProtocol, paired_ratio
 from runtime.model_store import resolve_model
 from evals.harness import EvalConfig, evaluate
-from evals.backends import open_backend
+from evals.backends import BACKENDS, open_backend
 from evals.backends.vllm_engine import as_checkpoint
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
+from evals.workloads import build_requests
 
 
 @dataclass
@@ -51,11 +54,16 @@ class QualityResult:
 
 @dataclass
 class SpeedResult:
-    tok_s: float  # effective output tokens per second
+    tok_s: float  # effective output tokens per second (median over rounds when paired)
     alpha: float | None = None  # proposer acceptance rate (speculative configs)
     tau: float | None = None  # mean tokens emitted per target forward
     record: dict | None = None
     extra: dict = field(default_factory=dict)
+    tok_s_ci: tuple[float, float] | None = None
+    speedup: float | None = None  # paired over the study's reference (runtime.measure.paired_ratio); None: unpaired
+    speedup_ci: tuple[float, float] | None = None
+    noisy: bool | None = None  # the speedup's CI stayed wider than the protocol's threshold
+    measurement: dict | None = None  # how: rounds, blocks, load, steal, threads, granularity
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,11 +129,14 @@ class RealEvaluator:
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
                  fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None,
-                 length_tokens: int = 256, **_):
+                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
         self.floor, self.threads = floor, threads
         self.length_tokens = length_tokens
+        self.protocol = protocol or SpeedProtocol()
+        self.reference: TrialConfig | None = None
+        self._reference = None  # the resident reference engine
         self._tokens: dict[TrialConfig, list[list[int]]] = {}
         self._lengths: dict[TrialConfig, dict] = {}
 
@@ -136,7 +147,8 @@ class RealEvaluator:
         return {"evaluator": "real", "tasks": self.tasks, "limit": self.limit, "fidelity_windows": self.fidelity_windows,
                 "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
                 "quality_dtype": "bf16 (native), serving dtype (vllm)",
-                "length_tokens": self.length_tokens, "load": "closed loop, concurrency 1", "threads": self.threads}
+                "length_tokens": self.length_tokens, "load": "closed loop, concurrency 1", "threads": self.threads,
+                "speed_protocol": asdict(self.protocol)}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
         self.floor_value(floor)
@@ -144,6 +156,7 @@ class RealEvaluator:
         self.data_dir = str(find_data_dir(self.data_dir))
         set_threads(self.threads)  # quality runs in this process too
         resolve_model(space.model)
+        self.reference = space.reference()
 
     def quality(self, config: TrialConfig) -> QualityResult:
         if config.backend == "vllm":
@@ -196,24 +209,26 @@ class RealEvaluator:
         return self._lengths[config]
 
     def speed(self, config: TrialConfig) -> SpeedResult:
-        import time
-
         serving = serving_config(config, threads=self.threads)
         t0 = time.perf_counter()
-        backend = open_backend(serving)
+        own = config != self.reference
+        backend = open_backend(serving) if own else self._reference_backend()
         t1 = time.perf_counter()
         try:
             result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
                                    num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+            if result.failed:
+                raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
+            t_paired = time.perf_counter()
+            paired = self._paired(backend, config, [r.index for r in result.results])
             t_natural = time.perf_counter()
             natural = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
                                     num_prompts=self.num_prompts, output_len=self.length_tokens, ignore_eos=False,
                                     data_dir=self.data_dir)
         finally:
-            backend.close()
+            if own:
+                backend.close()
         t2 = time.perf_counter()
-        if result.failed:
-            raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
         self._tokens[config] = [r.token_ids for r in result.results]
         if natural.failed:
             self._lengths[config] = {"error": str(natural.summary.get("error"))}
@@ -221,9 +236,51 @@ class RealEvaluator:
             counts = [len(r.token_ids) for r in natural.results]
             self._lengths[config] = {"mean_tokens": sum(counts) / len(counts), "max_tokens": self.length_tokens,
                                      "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts)}
-        return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=result.record.to_dict(),
-                           extra={"engine_start_s": t1 - t0, "bench_s": t2 - t1,
-                                  "length_run_s": t2 - t_natural})
+        extra = {"engine_start_s": t1 - t0, "bench_s": t2 - t1, "paired_s": t_natural - t_paired,
+                 "length_run_s": t2 - t_natural}
+        record = result.record.to_dict()
+        if paired is None:
+            record["results"]["paired"] = {"granularity": self._unpaired_reason(config)}
+            return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=record, extra=extra,
+                               measurement={"granularity": self._unpaired_reason(config)})
+        record["results"]["paired"] = paired.to_dict()
+        return SpeedResult(paired.candidate.value, result.alpha, result.tau, record=record, extra=extra,
+                           tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value, speedup_ci=paired.ratio.ci,
+                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": backend.threads.to_dict()})
+
+    def _reference_backend(self):
+        """The reference engine, opened once and kept resident beside every candidate (interleavable backends)."""
+        if self._reference is None:
+            self._reference = open_backend(serving_config(self.reference, threads=self.threads))
+        return self._reference
+
+    def _unpaired_reason(self, config: TrialConfig) -> str | None:
+        if self.reference is None:
+            return "unpaired: no reference point (prepare() was not called)"
+        backends = {BACKENDS.get(c.backend) for c in (config, self.reference)}
+        if all(b.interleavable for b in backends):
+            return None
+        return (f"unpaired: {' and '.join(sorted(b.name for b in backends if not b.interleavable))} engines cannot "
+                "stay resident beside the reference, so the speedup divides two separate runs (no CI)")
+
+    def _paired(self, backend, config: TrialConfig, indices: list[int]) -> PairedRatio | None:
+        """Candidate vs the resident reference, request by request in interleaved blocks (the reference against
+        itself for the reference point: its CI is the noise floor)."""
+        if self._unpaired_reason(config):
+            return None
+        reference = self._reference_backend()
+        requests, _ = build_requests(self.workload, backend.tokenizer(), self.num_prompts, self.output_len, True,
+                                     self.data_dir)
+        requests = [r for r in requests if r.index in indices]
+        # torch threads are per process: the reference's re-choice (noise guard) serves both engines
+        return paired_ratio(lambda u: reference.sample(requests[u]), lambda u: backend.sample(requests[u]),
+                            len(requests), self.protocol, "one request (batch 1, greedy, fixed length)",
+                            reference.retune)
+
+    def close(self) -> None:
+        if self._reference is not None:
+            self._reference.close()
+            self._reference = None
 
     def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""

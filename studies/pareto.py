@@ -25,7 +25,12 @@ class Row:
     backend: str
     config: dict
     tok_s: float | None = None
-    speedup: float | None = None  # vs the reference config (unquantized, no speculation)
+    tok_s_ci: list | None = None
+    speedup: float | None = None  # vs the reference config (unquantized, no speculation): paired when measured so
+    speedup_ci: list | None = None  # its 95% CI (paired runs only)
+    noisy: bool | None = None  # the speedup's CI stayed wider than the noise threshold
+    rounds: int | None = None  # interleaved reference/candidate rounds behind the speedup (one ratio each)
+    load: str | None = None  # the machine's load while it was measured
     quality: float | None = None  # the statistic compared with the floor
     accuracy: float | None = None
     delta: float | None = None
@@ -36,6 +41,7 @@ class Row:
     tau: float | None = None
     feasible: bool | None = None
     pareto: bool = False
+    not_separable: bool = False  # off the front on point estimates, but no front point beats it beyond the CIs
     exact: dict | None = None  # greedy-output equality of a speculative config vs its non-speculative twin
     quality_basis: str | None = None  # measured | exact by construction | verified | infeasible: why
     length_ratio: float | None = None  # mean output tokens (natural end-of-turn) / the reference's
@@ -59,9 +65,11 @@ class StudySummary:
 
     @property
     def measured(self) -> list[Row]:
-        """Distinct measured configurations, fastest first (duplicates reuse an earlier row)."""
+        """Distinct measured configurations, fastest first (duplicates reuse an earlier row): by paired speedup
+        when every row has one (absolute tok/s move with the load each trial saw), else by tok/s."""
         rows = [r for r in self.rows if r.state == "COMPLETE" and r.tok_s is not None and r.duplicate_of is None]
-        return sorted(rows, key=lambda r: -r.tok_s)
+        paired = all(r.speedup_ci for r in rows)
+        return sorted(rows, key=lambda r: -(r.speedup if paired else r.tok_s))
 
     @property
     def skipped(self) -> list[Row]:
@@ -78,6 +86,25 @@ def pareto_mask(points: list[tuple[float, float]]) -> list[bool]:
     return [not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points) for p in points]
 
 
+Interval = tuple[float, float]
+
+
+def separably_dominated(points: list[tuple[Interval, Interval]]) -> list[bool]:
+    """Each point is (speed CI, quality CI), both maximised. True where another point is at least as good on both
+    midpoints and beats it beyond both CIs on at least one axis (its lower bound above this one's upper bound);
+    a point dominated only on point estimates is not separable from the one that dominates it."""
+    mid = [((s[0] + s[1]) / 2, (q[0] + q[1]) / 2) for s, q in points]
+    return [any(mid[j][0] >= mid[i][0] and mid[j][1] >= mid[i][1] and mid[j] != mid[i]
+                and (points[j][0][0] > points[i][0][1] or points[j][1][0] > points[i][1][1])
+                for j in range(len(points)) if j != i) for i in range(len(points))]
+
+
+def _load_text(load: dict | None) -> str | None:
+    if not load:
+        return None
+    return f"load {load.get('load_1m_before')} -> {load.get('load_1m_after')}, steal {load.get('steal_pct')}%"
+
+
 def _row(trial: optuna.trial.FrozenTrial) -> Row:
     attrs = trial.user_attrs
     config = attrs.get("config") or {}
@@ -86,7 +113,10 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
     basis, length = attrs.get("quality_basis") or {}, attrs.get("length") or {}
     row = Row(
         number=trial.number, state=trial.state.name, label=attrs.get("label", ""),
-        backend=config.get("backend", ""), config=config, tok_s=speed.get("tok_s"),
+        backend=config.get("backend", ""), config=config, tok_s=speed.get("tok_s"), tok_s_ci=speed.get("tok_s_ci"),
+        speedup=speed.get("speedup"), speedup_ci=speed.get("speedup_ci"), noisy=speed.get("noisy"),
+        rounds=(speed.get("measurement") or {}).get("rounds"),
+        load=_load_text((speed.get("measurement") or {}).get("load")),
         quality=quality.get("value"), accuracy=quality.get("accuracy"), delta=quality.get("delta"),
         ci=quality.get("ci"), flips=quality.get("flips"), kl=quality.get("kl"),
         alpha=speed.get("alpha"), tau=speed.get("tau"),
@@ -117,7 +147,8 @@ def summarize(study: optuna.Study) -> StudySummary:
     ref_rows = [r for r in rows if r.config == reference and r.tok_s]
     if ref_rows:
         for r in rows:
-            r.speedup = r.tok_s / ref_rows[0].tok_s if r.tok_s else None
+            if r.speedup is None:  # unpaired (or an older study): two separate runs, no CI
+                r.speedup = r.tok_s / ref_rows[0].tok_s if r.tok_s else None
     summary = StudySummary(study.study_name, study.user_attrs.get("mode", "constrained"),
                            str(study.user_attrs.get("floor")), study.user_attrs.get("floor_value", float("nan")),
                            reference, rows, length_band=study.user_attrs.get("length_band"))
@@ -125,17 +156,35 @@ def summarize(study: optuna.Study) -> StudySummary:
     for r in rows:
         if r.state == "FAIL" and not r.reason and r.number in requeued:
             r.reason = f"its worker died (killed or heartbeat lost); re-queued as #{requeued[r.number]}"
-    feasible = [r for r in summary.measured if r.feasible]
-    if summary.mode == "pareto":
-        front = {t.number for t in study.best_trials}
-        for r in feasible:
-            r.pareto = r.number in front
-    else:
-        for r, on_front in zip(feasible, pareto_mask([(r.tok_s, r.quality) for r in feasible])):
-            r.pareto = on_front
+    mark_front(summary.measured)
     if any("q4_1" in r.notes for r in rows):
         summary.notes["q4_1"] = f"{Q4_1_SCHEME} on the default model: {SMOLLM2.note}"
     return summary
+
+
+def _speed_interval(r: Row) -> Interval:
+    if r.speedup_ci and r.speedup is not None:
+        return tuple(r.speedup_ci)
+    value = r.speedup if r.speedup is not None else r.tok_s
+    return value, value
+
+
+def _quality_interval(r: Row) -> Interval:
+    if r.ci and r.delta is not None:  # the paired accuracy delta's CI (same reference items for every row)
+        return tuple(r.ci)
+    return r.quality, r.quality
+
+
+def mark_front(rows: list[Row]) -> None:
+    """Among feasible rows: ``pareto`` on the point-estimate front; ``not_separable`` where a row is off that
+    front but nothing beats it beyond both CIs (speedup CI, accuracy-delta CI)."""
+    feasible = [r for r in rows if r.feasible]
+    speed = [_speed_interval(r) for r in feasible]
+    points = [(s, _quality_interval(r)) for r, s in zip(feasible, speed)]
+    front = pareto_mask([((s[0] + s[1]) / 2, r.quality) for r, s in zip(feasible, speed)])
+    dominated = separably_dominated(points)
+    for r, on_front, beaten in zip(feasible, front, dominated):
+        r.pareto, r.not_separable = on_front, not on_front and not beaten
 
 
 def _fmt(value, spec: str, empty: str = "") -> str:
@@ -152,6 +201,23 @@ def _accuracy_cell(r: Row) -> str:
             text += f" [{100 * r.ci[0]:+.1f}, {100 * r.ci[1]:+.1f}]"
         text += ")"
     return text
+
+
+def _tok_s_cell(r: Row) -> str:
+    if r.tok_s is None:
+        return ""
+    if not r.tok_s_ci:
+        return f"{r.tok_s:.1f}"
+    return f"{r.tok_s:.1f} ±{50 * (r.tok_s_ci[1] - r.tok_s_ci[0]) / r.tok_s:.0f}%"
+
+
+def _speedup_cell(r: Row) -> str:
+    if r.speedup is None:
+        return ""
+    text = f"{r.speedup:.2f}x"
+    if r.speedup_ci:
+        text += f" [{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]"
+    return text + (" [yellow]noisy[/]" if r.noisy else "")
 
 
 def _exact_cell(r: Row) -> str:
@@ -171,9 +237,12 @@ def _basis_cell(r: Row) -> str:
 def rich_table(summary: StudySummary) -> Table:
     table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}, "
                         f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}); "
-                        "* = Pareto-optimal among feasible rows", title_justify="left")
+                        "speedup: paired with the reference, median of per-round ratios [95% CI] over n rounds; "
+                        "* = Pareto-optimal among feasible rows, ~ = not separable from the front within the CIs",
+                  title_justify="left")
     for col, justify in (("", "center"), ("#", "right"), ("config", "left"), ("backend", "left"),
-                         ("tok/s", "right"), ("speedup", "right"), ("acc % (Δ [CI])", "right"), ("flips", "right"),
+                         ("tok/s", "right"), ("speedup [CI]", "right"), ("n", "right"), ("acc % (Δ [CI])", "right"),
+                         ("flips", "right"),
                          ("KL", "right"), ("α / τ", "right"), ("greedy =", "right"), ("quality", "left"),
                          ("len ×ref", "right"), ("EOT", "right"), ("feasible", "center")):
         table.add_column(col, justify=justify)
@@ -181,8 +250,8 @@ def rich_table(summary: StudySummary) -> Table:
         label = r.label + ("  †" if "q4_1" in r.notes else "")
         verdict = "" if r.feasible is None else ("[green]pass[/]" if r.feasible else "[red]fail[/]")
         spec = f"{r.alpha:.2f} / {r.tau:.2f}" if r.alpha is not None and r.tau is not None else ""
-        table.add_row("*" if r.pareto else "", str(r.number), label, r.backend, _fmt(r.tok_s, ".1f"),
-                      _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _accuracy_cell(r),
+        table.add_row("*" if r.pareto else "~" if r.not_separable else "", str(r.number), label, r.backend,
+                      _tok_s_cell(r), _speedup_cell(r), _fmt(r.rounds, "d"), _accuracy_cell(r),
                       _fmt(r.flips, "d"), _fmt(r.kl, ".4f"), spec, _exact_cell(r), _basis_cell(r),
                       _fmt(r.length_ratio, ".2f"), _fmt(r.eot_rate, ".0%"), verdict,
                       style=None if r.feasible is not False else "dim")
@@ -195,6 +264,10 @@ def footer_lines(summary: StudySummary) -> list[str]:
     for r in summary.measured:
         if r.infeasible_because:
             lines.append(f"#{r.number} {r.label} infeasible: {'; '.join(r.infeasible_because)}")
+        if r.noisy:
+            half = (r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup if r.speedup_ci and r.speedup else float("nan")
+            lines.append(f"#{r.number} {r.label}: speed noisy: its speedup CI stayed ±{100 * half:.0f}% after "
+                         f"{r.rounds} rounds ({r.load}); re-measure on a quieter machine")
     duplicates = sum(r.duplicate_of is not None for r in summary.rows)
     if duplicates:
         lines.append(f"{duplicates} trial(s) re-sampled an already measured config and reused its numbers")
@@ -206,7 +279,8 @@ def footer_lines(summary: StudySummary) -> list[str]:
     return lines
 
 
-CSV_FIELDS = ("number", "state", "label", "backend", "tok_s", "speedup", "quality", "accuracy", "delta", "ci_low",
+CSV_FIELDS = ("number", "state", "label", "backend", "tok_s", "tok_s_ci_low", "tok_s_ci_high", "speedup",
+              "speedup_ci_low", "speedup_ci_high", "noisy", "rounds", "load", "not_separable", "quality", "accuracy", "delta", "ci_low",
               "ci_high", "flips", "kl", "alpha", "tau", "feasible", "pareto", "exact", "quality_basis", "length_ratio", "eot_rate",
               "duplicate_of", "reason", "notes")
 
@@ -218,6 +292,8 @@ def write_csv(summary: StudySummary, path: str | Path) -> Path:
     for r in summary.rows:
         d = asdict(r)
         d["ci_low"], d["ci_high"] = (r.ci or [None, None])[:2]
+        d["tok_s_ci_low"], d["tok_s_ci_high"] = (r.tok_s_ci or [None, None])[:2]
+        d["speedup_ci_low"], d["speedup_ci_high"] = (r.speedup_ci or [None, None])[:2]
         d["exact"] = None if r.exact is None else r.exact["equal"]
         d["notes"] = ";".join(summary.notes.get(n, n) for n in r.notes)
         writer.writerow({k: d.get(k) for k in CSV_FIELDS})
@@ -238,28 +314,36 @@ def write_json(summary: StudySummary, path: str | Path) -> Path:
 
 
 def write_png(summary: StudySummary, path: str | Path) -> Path:
-    """Scatter of tok/s vs quality: feasible points coloured, infeasible grey, the Pareto front joined."""
+    """Speedup over the reference (paired, with its 95% CI as error bars) vs quality: feasible points coloured,
+    infeasible grey, noisy ones hollow, the Pareto front joined and labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary.measured if r.quality is not None]
+    rows = [r for r in summary.measured if r.quality is not None and r.speedup is not None]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    bad = [r for r in rows if not r.feasible]
-    good = [r for r in rows if r.feasible]
-    ax.scatter([r.tok_s for r in bad], [r.quality for r in bad], c="lightgrey", edgecolors="grey",
-               label="below floor (infeasible)")
-    ax.scatter([r.tok_s for r in good], [r.quality for r in good], c="tab:blue", label="feasible")
-    front = sorted((r for r in good if r.pareto), key=lambda r: r.tok_s)
+    for group, style in ((
+            [r for r in rows if not r.feasible], dict(c="lightgrey", ecolor="grey", label="infeasible")),
+            ([r for r in rows if r.feasible], dict(c="tab:blue", ecolor="tab:blue", label="feasible"))):
+        for r in group:
+            lo, hi = r.speedup_ci or (r.speedup, r.speedup)
+            ax.errorbar([r.speedup], [r.quality], xerr=[[r.speedup - lo], [hi - r.speedup]], fmt="o",
+                        mfc="none" if r.noisy else style["c"], mec=style["ecolor"], ecolor=style["ecolor"],
+                        capsize=3, label=style.pop("label", None))
+    front = sorted((r for r in rows if r.feasible and r.pareto), key=lambda r: r.speedup)
     if front:
-        ax.plot([r.tok_s for r in front], [r.quality for r in front], "-o", c="tab:orange", label="Pareto front")
-    for r in front:
-        ax.annotate(r.label, (r.tok_s, r.quality), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.plot([r.speedup for r in front], [r.quality for r in front], "-D", ms=10, mfc="none", c="tab:orange",
+                label="Pareto front")
+    for r in rows:
+        if r.pareto or r.not_separable:
+            ax.annotate(r.label + (" (noisy)" if r.noisy else ""), (r.speedup, r.quality),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhline(summary.floor_value, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
-    ax.set_xlabel("effective output tokens / s")
+    ax.axvline(1.0, ls=":", c="grey", lw=1)
+    ax.set_xlabel("speedup over the reference (effective tok/s, paired; bars: 95% CI)")
     ax.set_ylabel("quality (>= floor passes the paired floor verdict)")
-    ax.set_title(f"{summary.name}: speed vs quality")
+    ax.set_title(f"{summary.name}: speed vs quality (hollow = noisy speed)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)

@@ -255,6 +255,8 @@ class TrialRunner:
             raise
         trial.set_user_attr("quality", quality.to_dict() | {"record": None})
         trial.set_user_attr("speed", speed.to_dict() | {"record": None})
+        for name, value in (("speedup", speed.speedup), ("noisy", speed.noisy)):  # flat: filterable, chartable
+            trial.set_user_attr(name, value)
         trial.set_user_attr("record", speed.record)
         trial.set_constraint(CONSTRAINT, self.floor - quality.value)
         basis = trial.user_attrs.get("quality_basis") or {}
@@ -426,22 +428,27 @@ def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=Non
     runner = TrialRunner(study, settings, evaluator)
     deadline = time.monotonic() + settings.timeout_s if settings.timeout_s else None
     callbacks = [on_trial] if on_trial is not None else []
-    while True:
-        trials = study.get_trials(deepcopy=False)  # one read for both counts, as in the surplus check
-        finished = len(finished_trials(study, trials))
-        if finished >= settings.n_trials or (deadline is not None and time.monotonic() >= deadline):
-            break
-        pending = awaiting_trials(study, trials=trials)
-        if finished + len(pending) >= settings.n_trials and not any(t.state == TrialState.WAITING for t in pending):
-            # the rest is running: wait, as it may die
-            time.sleep(POLL_S)
-            outcome.recovered += recover_stale_trials(study)  # also Optuna's heartbeat check (RDB storages)
-            continue
-        try:
-            study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
-        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-            if not taken_for_dead(study, runner.number):
-                raise
-            outcome.lost.append(runner.number)
-        outcome.ran += 1
+    try:
+        while True:
+            trials = study.get_trials(deepcopy=False)  # one read for both counts, as in the surplus check
+            finished = len(finished_trials(study, trials))
+            if finished >= settings.n_trials or (deadline is not None and time.monotonic() >= deadline):
+                break
+            pending = awaiting_trials(study, trials=trials)
+            if finished + len(pending) >= settings.n_trials and not any(t.state == TrialState.WAITING for t in pending):
+                # the rest is running: wait, as it may die
+                time.sleep(POLL_S)
+                outcome.recovered += recover_stale_trials(study)  # also Optuna's heartbeat check (RDB storages)
+                continue
+            try:
+                study.optimize(runner, n_trials=1, catch=(Exception,), callbacks=callbacks)
+            except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+                if not taken_for_dead(study, runner.number):
+                    raise
+                outcome.lost.append(runner.number)
+            outcome.ran += 1
+    finally:
+        close = getattr(evaluator, "close", None)  # e.g. the resident reference engine of paired speed runs
+        if close is not None:
+            close()
     return outcome

@@ -75,3 +75,12 @@ def test_model_info_on_tiny_model(tiny_llama_dir):
     assert proc.returncode == 0, proc.stderr
     assert "LlamaForCausalLM" in proc.stdout and "int4 (g32 asym)" in proc.stdout
     assert "Q4_1" not in proc.stdout  # the caveat belongs to the default model only
+
+
+def test_bad_repeats(tiny_llama_dir):
+    assert_one_line_error(run_cli("bench", str(tiny_llama_dir), "--repeats", "0"), "--repeats must be >= 1")
+
+
+def test_bad_noise_threshold(tmp_path):
+    assert_one_line_error(run_cli("search", "--noise-threshold", "0", "--study-dir", str(tmp_path)),
+                          "--noise-threshold must be in (0, 1)")

@@ -702,3 +702,35 @@ def test_a_stale_trial_failed_by_two_workers_is_requeued_once(tmp_path):
         for _worker in range(2):
             callback(study, frozen)
         assert sum(t.system_attrs.get("failed_trial") == 0 for t in study.trials) == copies
+
+
+def test_paired_speed_fields_reach_the_table_csv_and_plot(tmp_path):
+    """A trial's paired speedup, its CI and the noisy flag (as run_search stores them) are what the table, the
+    footer, the CSV and the plot show; the paired speedup wins over dividing tok/s by the reference's, which moved
+    with the load (negative control: the ratio of tok/s would read 1.5x here)."""
+    study = optuna.create_study(directions=["maximize"])
+    study.set_user_attr("reference", TrialConfig().to_dict())
+    load = {"load_1m_before": 1.9, "load_1m_after": 2.1, "steal_pct": 0.0, "cpus": 2}
+    points = ((TrialConfig(), 20.0, 1.0, [0.97, 1.03], False),
+              (TrialConfig(weights="w8ch-sym", method="rtn"), 30.0, 1.12, [0.90, 1.40], True))
+    for cfg, tok_s, speedup, ci, noisy in points:
+        study.add_trial(optuna.create_trial(value=tok_s, user_attrs={
+            "config": cfg.to_dict(), "label": cfg.label, "quality": {"value": 1.0},
+            "speed": {"tok_s": tok_s, "tok_s_ci": [tok_s * 0.9, tok_s * 1.1], "speedup": speedup,
+                      "speedup_ci": ci, "noisy": noisy, "measurement": {"rounds": 12, "load": load}}},
+            system_attrs={"constraints:quality_floor": -0.01}))
+    summary = summarize(study)
+    w8 = next(r for r in summary.rows if r.config["weights"] == "w8ch-sym")
+    assert w8.speedup == pytest.approx(1.12) and w8.noisy and w8.rounds == 12
+    lines = footer_lines(summary)
+    assert any("w8ch-sym" in line and "speed noisy" in line and "load 1.9 -> 2.1" in line for line in lines)
+    assert not any("speed noisy" in line and "#0" in line for line in lines)
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(rich_table(summary))
+    assert "1.12x [0.90, 1.40] noisy" in console.export_text()
+    rows = (write_csv(summary, tmp_path / "t.csv")).read_text().splitlines()
+    header = rows[0].split(",")
+    assert {"speedup_ci_low", "speedup_ci_high", "noisy", "rounds"} <= set(header)
+    assert write_png(summary, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -34,6 +34,12 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     assert ref.user_attrs["quality_basis"]["kind"] == "measured"
     assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
     assert ref.user_attrs["speed"]["tok_s"] > 0 and ref.user_attrs["record"]["engine"]["backend"] == "native"
+    for trial in (ref, spec_trial):  # speed paired with the resident reference (the reference with itself)
+        paired = trial.user_attrs["speed"]
+        lo, hi = paired["speedup_ci"]
+        assert lo <= paired["speedup"] <= hi and trial.user_attrs["speedup"] == paired["speedup"]
+        assert paired["measurement"]["rounds"] >= 4 and isinstance(trial.user_attrs["noisy"], bool)
+        assert paired["measurement"]["threads"]["threads"] >= 1
     speed = spec_trial.user_attrs["speed"]
     assert 0 <= speed["alpha"] <= 1 and speed["tau"] >= 1
     check = spec_trial.user_attrs["exact_check"]  # exact_fraction 1: checked although exact by construction

@@ -7,6 +7,7 @@ from typing import Callable
 
 from evals.config import Config
 from runtime.errors import UserError
+from runtime.measure import Sample
 from runtime.registry import Registry
 
 
@@ -146,6 +147,9 @@ class Backend:
     name = "?"
     batching = "?"  # how concurrent requests are served, stated in every record
     cache_warmth = "?"  # KV / prefix cache state of measured requests, stated in every record
+    # Whether two engines of this backend can stay resident in one process and alternate request by request,
+    # so a candidate's speed is measured paired with the reference's (runtime.measure.paired_ratio).
+    interleavable = False
 
     def __init__(self, config: ServingConfig):
         self.config = config
@@ -186,6 +190,18 @@ class Backend:
 
     def spec_counters(self, load_kind: str = "closed") -> SpecCounters | None:
         """Cumulative proposer counters of the engine serving ``load_kind`` (None when it does not speculate)."""
+        return None
+
+    def sample(self, request: Request) -> Sample:
+        """Serve one request alone (closed loop, concurrency 1): one block of a paired speed comparison."""
+        result = self.closed_loop([request], 1)[0]
+        if not result.ok:
+            raise EngineFailure(f"request {request.index} failed: {result.error}")
+        return Sample(result.output_tokens, result.end - result.sent)
+
+    def retune(self) -> dict | None:
+        """Re-choose what the machine's load decides (the native runtime's thread count) when a speed
+        comparison turns out noisy; what changed, or None when nothing can be."""
         return None
 
     def peak_rss_bytes(self) -> int:

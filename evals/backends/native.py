@@ -20,6 +20,7 @@ from evals.build import build_native
 from evals.config import Config  # noqa: F401  (check() takes one)
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
+from runtime.threads import apply_threads
 from runtime.generate import Decoder
 from runtime.sampling import SamplingConfig
 from specdec.proposers.base import build_proposer
@@ -30,6 +31,7 @@ from specdec.speculative import SpeculativeDecoder
 class NativeBackend(Backend):
     batching = "batch-1: requests served one after another in arrival order; waiting time counts in TTFT/E2E"
     cache_warmth = "KV cache reset per request (no prefix reuse); weights resident in RAM"
+    interleavable = True  # in-process models: reference and candidate alternate request by request
 
     def __init__(self, config: ServingConfig):
         super().__init__(config)
@@ -42,6 +44,7 @@ class NativeBackend(Backend):
         built = build_native(point, config.threads)
         self.lm, self.quant_report = built.lm, built.report
         self.scheme_info = built.scheme_info
+        self.threads = apply_threads(self.lm.model, config.threads)
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
         self.decoder = self._decoder(built.cache_factory)
         self.counters = SpecCounters() if config.speculative else None
@@ -77,7 +80,15 @@ class NativeBackend(Backend):
                 "kernels": self.quant_report.kernels if self.quant_report else None,
                 "kernels_run": kernels_used(self.lm.model), "kv": self.config.kv,
                 "spec": self.config.spec_label, "max_len": self.config.max_model_len,
-                "threads": torch.get_num_threads(), "batching": self.batching}
+                "threads": torch.get_num_threads(), "thread_choice": self.threads.to_dict(),
+                "batching": self.batching}
+
+    def retune(self) -> dict | None:
+        if self.config.threads:  # the user fixed it
+            return None
+        before = self.threads.threads
+        self.threads = apply_threads(self.lm.model, None)
+        return {"threads_before": before, "threads_after": self.threads.threads, "probe_ms": self.threads.probe_ms}
 
     def _serve(self, request: Request, sent: float, scheduled: float | None) -> RequestResult:
         started = now()

@@ -59,14 +59,30 @@ def print_results(title: str, runs: list) -> None:
         spec = s.get("spec") or {}
         table.add_row(
             _spec_label(run),
-            _load_label(run.record.arrival), f"{s['effective_tok_s']:.1f}", f"{s['requests_s']:.2f}",
+            _load_label(run.record.arrival), _repeated(s, "effective_tok_s", ".1f"), f"{s['requests_s']:.2f}",
             f"{_ms(s['ttft_s'], 'p50')}/{_ms(s['ttft_s'], 'p99')}", _ms(s["tpot_s"], "p50"),
             f"{_ms(s['itl_s'], 'p50')}/{_ms(s['itl_s'], 'p99')}", f"{_ms(s['e2e_s'], 'p50')}/{_ms(s['e2e_s'], 'p99')}",
             f"{s['goodput_rps']:.2f}", f"{spec['alpha']:.2f}" if spec.get("alpha") is not None else "-",
             f"{spec['tau']:.2f}" if spec.get("tau") is not None else "-",
-            f"{s['speedup']:.2f}x" if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}", str(s["n_failed"]))
+            _repeated(s, "speedup", ".2f", "x") if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}",
+            str(s["n_failed"]))
     console.print(table)
+    repeated = [r.summary["repeats"] for r in runs if not r.failed and "repeats" in r.summary]
+    if repeated:
+        load = repeated[-1]["load"]
+        console.print(f"[dim]mean [95% CI] over {repeated[0]['n']} repeats ({repeated[0]['granularity']}); "
+                      f"load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} cores, "
+                      f"steal {load['steal_pct']}%[/]")
     console.print(f"[dim]{hardware_line()}[/]")
+
+
+def _repeated(summary: dict, name: str, spec: str, unit: str = "") -> str:
+    """A metric, as mean [95% CI] when the load point was repeated."""
+    stats = (summary.get("repeats") or {}).get(name)
+    if not stats:
+        return format(summary[name], spec) + unit
+    lo, hi = stats["ci"]
+    return f"{format(stats['value'], spec)}{unit} [{format(lo, spec)}, {format(hi, spec)}]"
 
 
 def _spec_label(run) -> str:
@@ -100,6 +116,8 @@ def bench(
     max_model_len: int = typer.Option(1024, help="Engine context length (prompt + output must fit)."),
     port: int = typer.Option(0, help="Port of the vllm serve used for --rate runs (0 = a free one)."),
     baseline: bool = typer.Option(True, help="With --spec, also run without speculation for the speedup."),
+    repeats: int = typer.Option(1, "--repeats", help="Repeat each load point N times and report each metric's mean "
+                                "and 95% CI across repeats (native engines alternate run by run)."),
     slo_ttft: float = typer.Option(2.0, help="Goodput SLO: TTFT bound in seconds."),
     slo_tpot: float = typer.Option(0.2, help="Goodput SLO: TPOT bound in seconds."),
     json_out: str = typer.Option(None, "--json", help="Write every run record to this JSON file."),
@@ -122,7 +140,7 @@ def bench(
             return lambda: bar.advance(task)
 
         runs = quantspec.benchmark(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
-                                   SLO(slo_ttft, slo_tpot), progress)
+                                   SLO(slo_ttft, slo_tpot), progress, repeats)
     print_results(f"{backend}: {model} {scheme} kv={kv} | {workload}, {num_prompts} prompts", runs)
     if runs[0].record.model.note:
         console.print(f"[yellow]note:[/] {runs[0].record.model.note}")

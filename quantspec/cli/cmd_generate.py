@@ -11,6 +11,7 @@ from runtime.compiled import DEFAULT_MODE
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
 from runtime.hardware import hardware_line
+from runtime.threads import apply_threads
 from quantspec.cli.app import CompileOption, DeviceOption, DtypeOption, ModelArgument, app
 from evals.decode_speed import compare_decode
 from quantspec.cli.cmd_search import demo_search
@@ -30,7 +31,7 @@ def generate(
     top_k: int = typer.Option(0, help="0 = off."),
     top_p: float = typer.Option(1.0),
     seed: int = typer.Option(None),
-    threads: int = typer.Option(None, help="torch threads (default: torch's choice)."),
+    threads: int = typer.Option(None, help="torch threads (default: chosen by a short timed probe; shown)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Do not apply the chat template."),
     attention: str = typer.Option("sdpa", help="sdpa (fastest on short histories) or eager (batch-invariant: "
                                                "the text `accept` and `check-lossless` compare against in bf16)."),
@@ -48,13 +49,14 @@ def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_
     """Print the native runtime's answer, then one speed line naming the precision, attention, the device, the
     decode step (eager or compiled), the kernels that ran and this machine's ISA (with any fallback)."""
     lm = quantspec.load(model, dtype, threads, attention, device)
+    choice = apply_threads(lm.model, threads)
     ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
     decoder = Decoder(lm, max_len=len(ids) + max_new_tokens + 1, compile_mode=compile_mode)
     result = decoder.generate(ids, max_new_tokens, sampling)
     step = "eager step" if decoder.step is None or decoder.step.fallback else f"compiled step ({compile_mode})"
     console.print(result.text)
     console.print(f"[dim]{result.summary()} | native {lm.precision} on {lm.device}, {attention} attention, {step}, "
-                  f"{hardware_line(lm.model)}[/]")
+                  f"{choice.line()}, {hardware_line(lm.model)}[/]")
 
 
 @app.command()
@@ -66,7 +68,7 @@ def demo(
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
     require_optuna("quantspec demo")  # before the first part, not after it
     answer("What is the capital of France?", dtype="fp32", max_new_tokens=32)  # beside the fp32 HF comparison
-    record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=2)
+    record = compare_decode("default", "fp32", new_tokens=new_tokens, repeats=1)
     print_decode_comparison(record)
     record.write(out)
     console.print(f"run record: {out}")

@@ -18,6 +18,7 @@ from quantspec.cli.app import DataDirOption, app
 from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, require_optuna
 from studies.objective import get_evaluator
 from studies.space import load_space
+from runtime.measure import SpeedProtocol
 
 if TYPE_CHECKING:
     from studies.pareto import StudySummary
@@ -112,7 +113,11 @@ def search(
     limit: int = typer.Option(None, help="Eval items per task (default 200)."),
     prompts: int = typer.Option(4, help="Spec-Bench prompts per speed run (batch 1, greedy)."),
     new_tokens: int = typer.Option(64, "--new-tokens", help="Fixed output length per speed-run prompt (ignore_eos)."),
-    threads: int = typer.Option(None, help="torch threads for speed and quality runs (default: torch's choice)."),
+    threads: int = typer.Option(None, help="torch threads for speed and quality runs (default: chosen per engine "
+                                           "by a short timed probe of the candidates; recorded)."),
+    noise_threshold: float = typer.Option(0.10, "--noise-threshold", help="Speed is measured paired with the "
+                                          "reference in interleaved blocks until the speedup's 95% CI is within "
+                                          "this relative half-width (4 to 12 rounds of every speed prompt); wider rows are marked noisy."),
     csv: str = typer.Option(None, help="Also write the table as CSV."),
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
@@ -133,7 +138,8 @@ def search(
         grace_s=grace, length_band=length_band)
     console = _console()
     trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
-                                    output_len=new_tokens, threads=threads)
+                                    output_len=new_tokens, threads=threads,
+                                    protocol=SpeedProtocol(threshold=noise_threshold))
     outcome = search_with_progress(settings, trial_evaluator, console)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")

@@ -1,0 +1,251 @@
+"""Speed you can trust: paired, interleaved ratios with a CI, absolute figures with their spread, a noise guard,
+and the machine's load around every measurement. The one home of these rules: bench/, the search, the demo and
+``quantspec bench --repeats`` call it.
+
+A ratio (candidate over reference) is measured in rounds of blocks: for each unit of work (one prompt, one
+generation) the reference and the candidate run back to back in a seeded random order (AB or BA), so both see the
+same load; each round gives one ratio, the point estimate is the median of the per-round ratios and its CI the
+bootstrap percentile interval of that median. When the CI's relative half-width exceeds ``threshold`` more rounds
+are measured up to ``max_rounds`` (or ``budget_s``); a ratio still wider is ``noisy``: a flag every table shows,
+never a silent drop.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 4000
+DEFAULT_THRESHOLD = 0.10  # relative CI half-width above which a ratio is noisy
+MIN_ROUNDS, MAX_ROUNDS = 4, 12
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One block of work: ``tokens`` produced in ``seconds``."""
+
+    tokens: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Spread:
+    """A statistic over repeats: ``value`` (median, or mean for ``mean_ci``) with its 95% CI and IQR."""
+
+    value: float
+    ci: tuple[float, float]
+    n: int
+    iqr: tuple[float, float] | None = None
+
+    @property
+    def rel_halfwidth(self) -> float:
+        """Half the CI's width over the value (inf when the value is 0 or the CI is unknown)."""
+        if not self.value or not all(map(math.isfinite, self.ci)):
+            return math.inf
+        return (self.ci[1] - self.ci[0]) / 2 / abs(self.value)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"rel_halfwidth": self.rel_halfwidth}
+
+
+def median_ci(values: Sequence[float], log: bool = False, seed: int = 0) -> Spread:
+    """Median with the bootstrap percentile CI of the median (``log``: computed on log values, for ratios)."""
+    x = np.asarray(values, dtype=float)
+    if log:
+        x = np.log(x)
+    n = len(x)
+    if n == 0:
+        raise ValueError("no samples")
+    if n == 1:
+        lo = hi = float(x[0])
+    else:
+        rng = np.random.default_rng(seed)
+        meds = np.median(x[rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))], axis=1)
+        lo, hi = np.quantile(meds, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+        lo, hi = (-math.inf, math.inf) if n < 3 else (float(lo), float(hi))
+    back = np.exp if log else (lambda v: v)
+    q1, q3 = np.quantile(x, [0.25, 0.75])
+    return Spread(float(back(np.median(x))), (float(back(lo)), float(back(hi))), n, (float(back(q1)), float(back(q3))))
+
+
+def mean_ci(values: Sequence[float]) -> Spread:
+    """Mean with the Student-t 95% CI across repeats (what AIPerf reports per metric)."""
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    mean = float(x.mean())
+    if n < 2:
+        return Spread(mean, (-math.inf, math.inf), n)
+    half = float(stats.t.ppf((1 + CONFIDENCE) / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
+    q1, q3 = np.quantile(x, [0.25, 0.75])
+    return Spread(mean, (mean - half, mean + half), n, (float(q1), float(q3)))
+
+
+def _proc_stat() -> tuple[int, int] | None:
+    """(steal ticks, total ticks) of all CPUs from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            parts = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (parts[7] if len(parts) > 7 else 0), sum(parts[:8])
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def cpus_available() -> int:
+    """Cores in this process's affinity mask (what it may run on), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass
+class LoadWindow:
+    """The machine's load around a measurement: 1-minute load average before and after, and the share of CPU
+    time stolen by the hypervisor in between (/proc/stat)."""
+
+    load_1m_before: float | None = None
+    load_1m_after: float | None = None
+    steal_pct: float | None = None
+    cpus: int = field(default_factory=cpus_available)
+    _stat: tuple[int, int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls) -> "LoadWindow":
+        return cls(load_1m_before=_loadavg(), _stat=_proc_stat())
+
+    def stop(self) -> "LoadWindow":
+        self.load_1m_after = _loadavg()
+        end = _proc_stat()
+        if self._stat and end and end[1] > self._stat[1]:
+            self.steal_pct = round(100 * (end[0] - self._stat[0]) / (end[1] - self._stat[1]), 2)
+        return self
+
+    def to_dict(self) -> dict:
+        return {"load_1m_before": self.load_1m_before, "load_1m_after": self.load_1m_after,
+                "steal_pct": self.steal_pct, "cpus": self.cpus}
+
+    def line(self) -> str:
+        return (f"load {self.load_1m_before} -> {self.load_1m_after} on {self.cpus} cores, "
+                f"steal {self.steal_pct if self.steal_pct is not None else '?'}%")
+
+
+@dataclass
+class SpeedProtocol:
+    """How a paired comparison is measured (stored with every result; workers of one study must agree)."""
+
+    min_rounds: int = MIN_ROUNDS
+    max_rounds: int = MAX_ROUNDS
+    threshold: float = DEFAULT_THRESHOLD  # relative CI half-width above which the ratio is noisy
+    budget_s: float | None = None  # stop adding rounds after this many seconds (then noisy if still wide)
+    seed: int = 0
+
+    def __post_init__(self):
+        from runtime.errors import UserError
+
+        if not 3 <= self.min_rounds <= self.max_rounds:
+            raise UserError(f"need 3 <= min rounds <= max rounds, got {self.min_rounds} and {self.max_rounds}")
+        if not 0 < self.threshold < 1:
+            raise UserError(f"--noise-threshold must be in (0, 1) (a relative CI half-width, e.g. 0.1), got "
+                            f"{self.threshold}")
+
+
+@dataclass
+class PairedRatio:
+    """Candidate over reference, measured in interleaved rounds (one ratio per round)."""
+
+    ratio: Spread  # median of per-round candidate/reference rate ratios, bootstrap CI
+    reference: Spread  # reference rate per round (tokens / seconds over the round's blocks)
+    candidate: Spread
+    rounds: int
+    blocks: int  # timed blocks of both, warm-up excluded
+    noisy: bool
+    protocol: SpeedProtocol
+    load: LoadWindow
+    elapsed_s: float
+    granularity: str  # what one block is, e.g. "one request"
+    retuned: list = field(default_factory=list)  # what the noise guard's hook changed, if it ran
+
+    def to_dict(self) -> dict:
+        return {"ratio": self.ratio.to_dict(), "reference": self.reference.to_dict(),
+                "candidate": self.candidate.to_dict(), "rounds": self.rounds, "blocks": self.blocks,
+                "noisy": self.noisy, "protocol": asdict(self.protocol), "load": self.load.to_dict(),
+                "elapsed_s": self.elapsed_s, "granularity": self.granularity, "retuned": self.retuned}
+
+
+def paired_ratio(run_reference: Callable[[int], Sample], run_candidate: Callable[[int], Sample], units: int,
+                 protocol: SpeedProtocol = SpeedProtocol(), granularity: str = "one unit of work",
+                 on_noisy: Callable[[], object] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> PairedRatio:
+    """Rounds of ``run_reference(u)`` and ``run_candidate(u)`` over units 0..units-1, back to back per unit in a
+    seeded random order (AB or BA). Each round gives one ratio (the candidate's tokens/s over the round's units
+    divided by the reference's), so units that differ (prompts of other lengths, other acceptance) weigh alike in
+    every ratio and only the machine's noise spreads them. Stops once the ratio's CI is within
+    ``protocol.threshold`` (after ``min_rounds``), or at ``max_rounds``/``budget_s`` (then noisy). ``on_noisy``
+    runs once, the first time the CI is too wide (e.g. re-choose threads); what it returns is recorded."""
+    if units < 1:
+        raise ValueError("paired_ratio needs at least one unit of work")
+    order = random.Random(protocol.seed)
+    window = LoadWindow.start()
+    t0 = clock()
+    rounds: list[tuple[list[Sample], list[Sample]]] = []
+    retuned: list = []
+    while True:
+        refs, cands = [], []
+        for unit in range(units):
+            if order.random() < 0.5:
+                refs.append(run_reference(unit))
+                cands.append(run_candidate(unit))
+            else:
+                cands.append(run_candidate(unit))
+                refs.append(run_reference(unit))
+        rounds.append((refs, cands))
+        if len(rounds) < protocol.min_rounds:
+            continue
+        ratios = [_rate(c) / _rate(r) for r, c in rounds if _rate(r) > 0]
+        estimate = median_ci(ratios, log=True, seed=protocol.seed)
+        wide = estimate.rel_halfwidth > protocol.threshold
+        out_of_budget = protocol.budget_s is not None and clock() - t0 >= protocol.budget_s
+        if not wide or len(rounds) >= protocol.max_rounds or out_of_budget:
+            break
+        if on_noisy is not None and not retuned:
+            retuned.append(on_noisy())
+    return PairedRatio(estimate, median_ci([_rate(r) for r, _ in rounds]), median_ci([_rate(c) for _, c in rounds]),
+                       len(rounds), 2 * units * len(rounds), wide, protocol, window.stop(), clock() - t0,
+                       granularity, retuned)
+
+
+def _rate(blocks: list[Sample]) -> float:
+    """Tokens per second over a round's blocks."""
+    seconds = sum(s.seconds for s in blocks)
+    return sum(s.tokens for s in blocks) / seconds if seconds > 0 else 0.0
+
+
+def single_shot_ratio(reference: Sample, candidate: Sample) -> float:
+    """The old protocol, kept as the negative control: one candidate run over one reference run timed earlier."""
+    return candidate.rate / reference.rate
+
+
+def describe_spread(s: Spread, unit: str = "", spec: str = ".1f") -> str:
+    """``12.3 [11.9, 12.8] unit (n=6)``: a value with its CI, as every table prints it."""
+    if not all(map(math.isfinite, s.ci)):
+        return f"{format(s.value, spec)}{unit} (n={s.n}, no CI)"
+    return f"{format(s.value, spec)}{unit} [{format(s.ci[0], spec)}, {format(s.ci[1], spec)}] (n={s.n})"
