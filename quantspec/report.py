@@ -1,6 +1,7 @@
 """Rich tables and plots of the API's results, shared by the CLI and the bench/ scripts."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -24,7 +25,7 @@ def print_sweep(record: RunRecord) -> None:
     table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
                         f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
                         f"x {output_length(record)} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
-    cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup", "Thm 3.8", "refined", "c", "V(K)"]
+    cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup [95% CI]", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
     ended = "speedup_ended" in res["rows"][0]
     extra = (["=greedy"] if greedy else []) + ([f"vs {ref['attention']}"] if ref else []) + (
@@ -34,7 +35,8 @@ def print_sweep(record: RunRecord) -> None:
     for r in res["rows"]:
         cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['beta']:.2f}", f"{r['tau']:.2f}",
                  " ".join(f"{a:.2f}"[1:] for a in r["acceptance_per_pos"]), f"{r['tok_s']:.1f}",
-                 f"{r['speedup']:.2f}", f"{r['predicted_speedup']:.2f}", f"{r['refined_speedup']:.2f}",
+                 _with_ci(r["speedup"], r.get("speedup_ci")), f"{r['predicted_speedup']:.2f}",
+                 f"{r['refined_speedup']:.2f}",
                  f"{r['c']:.3f}", f"{r['verify_cost']:.2f}"]
         if greedy:
             cells.append(f"{r['greedy_equal']}/{record.lengths.n_requests}")
@@ -64,7 +66,10 @@ def plot_sweep(record: RunRecord, path: str) -> None:
     ax1.set_xlabel("K")
     ax1.legend()
     ax1.set_title("acceptance")
-    ax2.plot(ks, [r["speedup"] for r in rows], "o-", label="measured")
+    cis = [r.get("speedup_ci") or (r["speedup"], r["speedup"]) for r in rows]
+    cis = [ci if all(map(math.isfinite, ci)) else (r["speedup"], r["speedup"]) for ci, r in zip(cis, rows)]
+    ax2.errorbar(ks, [r["speedup"] for r in rows], fmt="o-", capsize=3, label="measured (95% CI over prompts)",
+                 yerr=[[r["speedup"] - ci[0] for r, ci in zip(rows, cis)], [ci[1] - r["speedup"] for r, ci in zip(rows, cis)]])
     ax2.plot(ks, [r["predicted_speedup"] for r in rows], "--", label="Thm 3.8")
     ax2.plot(ks, [r["refined_speedup"] for r in rows], ":", label="refined")
     ax2.axhline(1.0, color="grey", lw=0.5)
@@ -75,6 +80,13 @@ def plot_sweep(record: RunRecord, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+
+
+def _with_ci(value: float, ci) -> str:
+    """``1.23 [1.10, 1.35]``; a CI that is not finite (fewer than 3 prompts) is left out."""
+    if not ci or not all(map(math.isfinite, ci)):
+        return f"{value:.2f}"
+    return f"{value:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
 def print_decode_comparison(record) -> None:

@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from runtime.errors import UserError
+
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 4000
 DEFAULT_THRESHOLD = 0.10  # relative CI half-width above which a ratio is noisy
@@ -159,8 +161,6 @@ class SpeedProtocol:
     seed: int = 0
 
     def __post_init__(self):
-        from runtime.errors import UserError
-
         if not 3 <= self.min_rounds <= self.max_rounds:
             raise UserError(f"need 3 <= min rounds <= max rounds, got {self.min_rounds} and {self.max_rounds}")
         if not 0 < self.threshold < 1:
@@ -237,6 +237,25 @@ def _rate(blocks: list[Sample]) -> float:
     """Tokens per second over a round's blocks."""
     seconds = sum(s.seconds for s in blocks)
     return sum(s.tokens for s in blocks) / seconds if seconds > 0 else 0.0
+
+
+def ratio_of_totals(reference: list[Sample], candidate: list[Sample], seed: int = 0) -> Spread:
+    """Candidate over reference tokens/s summed over paired units (unit i ran on both, interleaved), with the
+    bootstrap percentile 95% CI over units: how far the ratio could move on other prompts of the same kind."""
+    ref_t, ref_s = np.array([s.tokens for s in reference], float), np.array([s.seconds for s in reference], float)
+    cand_t, cand_s = np.array([s.tokens for s in candidate], float), np.array([s.seconds for s in candidate], float)
+
+    def ratio(idx):
+        return (cand_t[idx].sum() / cand_s[idx].sum()) / (ref_t[idx].sum() / ref_s[idx].sum())
+
+    n = len(reference)
+    value = float(ratio(np.arange(n)))
+    if n < 3:
+        return Spread(value, (-math.inf, math.inf), n)
+    idx = np.random.default_rng(seed).integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
+    boots = (cand_t[idx].sum(1) / cand_s[idx].sum(1)) / (ref_t[idx].sum(1) / ref_s[idx].sum(1))
+    lo, hi = np.quantile(boots, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return Spread(value, (float(lo), float(hi)), n)
 
 
 def single_shot_ratio(reference: Sample, candidate: Sample) -> float:

@@ -14,6 +14,7 @@ import torch
 
 from runtime.errors import UserError
 from runtime.loading import LoadedModel
+from runtime.measure import Sample, ratio_of_totals
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer
@@ -73,6 +74,11 @@ def decode_rate(results: list[GenerationResult]) -> tuple[float, float]:
     return tokens / seconds, seconds / tokens
 
 
+def decode_samples(results: list[GenerationResult]) -> list[Sample]:
+    """Each result's decode tokens (after the first) and seconds."""
+    return [Sample(len(r.tokens) - 1, r.decode_s) for r in results]
+
+
 def draft_length_histogram(stats: AcceptanceStats) -> list[float]:
     """P(a verification step carried n draft tokens), n = 0..K."""
     per_pos = [*stats.draft_tokens_per_pos, 0]
@@ -114,6 +120,7 @@ class SweepRow:
     greedy_equal: int | None = None  # greedy runs: requests token-identical to plain decoding
     speedup_vs_reference: float | None = None  # with a reference build of the target
     speedup_ended: float | None = None  # to the end of turn: over the requests that ended
+    speedup_ci: tuple[float, float] | None = None  # bootstrap 95% CI over the prompts (each ran both, interleaved)
 
     def to_dict(self) -> dict:
         p = self.predictions
@@ -123,7 +130,7 @@ class SweepRow:
                "refined_no_mix": p.refined_no_mix, "draft_length_hist": p.draft_length_hist,
                "measured_over_predicted": self.speedup / p.predicted_speedup,
                "measured_over_refined": self.speedup / p.refined_speedup, "per_request": self.per_request}
-        for key in ("greedy_equal", "speedup_vs_reference", "speedup_ended"):
+        for key in ("greedy_equal", "speedup_vs_reference", "speedup_ended", "speedup_ci"):
             if getattr(self, key) is not None:
                 row[key] = getattr(self, key)
         return row
@@ -227,7 +234,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
               "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results],
             greedy_equal=sum(r.tokens == b.tokens for r, b in zip(results, base)) if sampling.greedy else None,
             speedup_vs_reference=tok_s / ref_tok_s if ref_tok_s else None,
-            speedup_ended=decode_rate([results[i] for i in ended])[0] / ended_tok_s if ended_tok_s else None))
+            speedup_ended=decode_rate([results[i] for i in ended])[0] / ended_tok_s if ended_tok_s else None,
+            speedup_ci=ratio_of_totals(decode_samples(base), decode_samples(results)).ci))
     reference_rate = ReferenceRate(reference.model.attn_implementation, ref_tok_s,
                                    [r.decode_tokens_per_s for r in ref]) if reference else None
     baseline = Baseline(plain_tok_s, step_s * 1e3, len(prompts), [r.decode_tokens_per_s for r in base],

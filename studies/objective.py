@@ -246,7 +246,7 @@ class RealEvaluator:
         record["results"]["paired"] = paired.to_dict()
         return SpeedResult(paired.candidate.value, result.alpha, result.tau, record=record, extra=extra,
                            tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value, speedup_ci=paired.ratio.ci,
-                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": backend.threads.to_dict()})
+                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": backend.engine_config().get("thread_choice")})
 
     def _reference_backend(self):
         """The reference engine, opened once and kept resident beside every candidate (interleavable backends)."""
