@@ -187,7 +187,7 @@ def main() -> None:
                                cache_warmth="KV cache reset per request; all engines resident in RAM"),
         metric=MetricCondition(
             {"speedup": "effective tok/s over the reference's; old: one pass each, reference first; new: median of "
-                        "per-round ratios, reference and candidate interleaved (AB/BA), bootstrap 95% CI",
+                        "per-round ratios, reference and candidate interleaved (AB/BA), Student-t 95% CI of the mean log ratio",
              "error": "hogged speedup / idle speedup, minus one",
              "hog": "a busy-loop Python process pinned to the last core for the whole hogged condition"},
             "greedy, ignore_eos, fixed output length"),

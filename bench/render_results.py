@@ -577,7 +577,7 @@ def render_study_cost(d: dict) -> str:
 @bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
        "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
        "rows, `~` those behind the front on point estimates only (no row beats them beyond both CIs); `speedup` is "
-       "paired with the reference (median of per-round ratios, bootstrap CI over `rounds`; `noisy` where the CI "
+       "paired with the reference (median of per-round ratios, t-interval of their mean log over `rounds`; `noisy` where the CI "
        "stayed wider than the noise threshold; rows without a CI were measured before pairing); `greedy =` is the seeded check that a speculative point emits the same tokens as its non-speculative "
        "twin; `quality` says where a row's quality comes from (measured, exact by construction, verified equal to "
        "its twin, or why it has none); `len ×ref` is the mean output length with natural end-of-turn over the "

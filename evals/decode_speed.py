@@ -157,7 +157,7 @@ def compare_decode(model: str = "default", dtype: str = "fp32", new_tokens: int 
         metric=MetricCondition(
             {"decode_tok_s": "median over rounds of (new_tokens-1)/decode seconds, prefill excluded; with HF: "
                              "native and HF generations alternate (runtime.measure.paired_ratio)",
-             "native_over_hf": "median of per-round native/HF decode-rate ratios, bootstrap 95% CI",
+             "native_over_hf": "median of per-round native/HF decode-rate ratios, Student-t 95% CI of their mean log",
              "roofline_pct": "decode tok/s / (measured read bandwidth / weight bytes per token)"},
             "greedy, ignore_eos, fixed output length; native and HF tokens compared"),
         results=results,

@@ -275,20 +275,26 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
     (the activations that expose a different summation order), as fresh tensors at several offsets (some GEMMs
     take other paths for other alignments), at the row counts a verification uses (1..9, and up to
     ``EXACT_ROWS``), twice over."""
-    name = "rows-invariant/" + "/".join(map(str, (*key, in_features, dtype)))
+    name = "rows-invariant-v2/" + "/".join(map(str, (*key, in_features, dtype)))  # v2: every lone row, 3 draws
     if name not in _speed_cache():
-        g = torch.Generator().manual_seed(0)
         n = EXACT_ROWS + 7
-        x = (torch.randn(n, in_features, generator=g) * torch.randn(n, in_features, generator=g).exp()).to(dtype)
-        together = linear(x)
+        draws = []
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            x = (torch.randn(n, in_features, generator=g) * torch.randn(n, in_features, generator=g).exp()).to(dtype)
+            draws.append((x, linear(x)))
 
-        def same(m: int, run: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        def same(m: int, run: Callable[[torch.Tensor], torch.Tensor], offsets: range, draws=draws) -> bool:
             return all(torch.equal(run(x[j:j + m].clone()), together[j:j + m])
-                       for j in range(0, min(24, n - m + 1), 3) for _ in range(2))
+                       for x, together in draws for j in offsets for _ in range(2))
 
-        many = all(same(m, linear) for m in (*range(2, 10), 16, 17, EXACT_ROWS))
-        alone = same(1, linear)
-        doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1])
+        many = all(same(m, linear, range(0, min(24, n - m + 1), 3), draws[:1])
+                   for m in (*range(2, 10), 16, 17, EXACT_ROWS))
+        # Every row alone, in three draws: a one-row kernel that sums in another order differs on some rows only
+        # (AMD EPYC Genoa: oneDNN bf16 at K = 1536, 3-7 of 40 heavy-tailed rows; the fp32-upcast GEMV, 1 of 33
+        # rows after rounding to bf16), so a sample of offsets in one draw missed it.
+        alone = same(1, linear, range(n))
+        doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1], range(n))
         _store_speed(name, {"how": None if not many else "alone" if alone else "two-rows" if doubled else None})
     return _speed_cache()[name]["how"]
 

@@ -5,7 +5,7 @@ and the machine's load around every measurement. The one home of these rules: be
 A ratio (candidate over reference) is measured in rounds of blocks: for each unit of work (one prompt, one
 generation) the reference and the candidate run back to back in a seeded random order (AB or BA), so both see the
 same load; each round gives one ratio, the point estimate is the median of the per-round ratios and its CI the
-bootstrap percentile interval of that median. When the CI's relative half-width exceeds ``threshold`` more rounds
+Student-t interval of their mean log (``median_ci``). When the CI's relative half-width exceeds ``threshold`` more rounds
 are measured up to ``max_rounds`` (or ``budget_s``); a ratio still wider is ``noisy``: a flag every table shows,
 never a silent drop.
 """
@@ -25,7 +25,7 @@ from runtime.errors import UserError
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 4000
 DEFAULT_THRESHOLD = 0.10  # relative CI half-width above which a ratio is noisy
-MIN_ROUNDS, MAX_ROUNDS = 4, 12
+MIN_ROUNDS, MAX_ROUNDS = 3, 12
 
 
 @dataclass(frozen=True)
@@ -60,38 +60,42 @@ class Spread:
         return asdict(self) | {"rel_halfwidth": self.rel_halfwidth}
 
 
-def median_ci(values: Sequence[float], log: bool = False, seed: int = 0) -> Spread:
-    """Median with the bootstrap percentile CI of the median (``log``: computed on log values, for ratios)."""
-    x = np.asarray(values, dtype=float)
-    if log:
-        x = np.log(x)
-    n = len(x)
-    if n == 0:
-        raise ValueError("no samples")
-    if n == 1:
-        lo = hi = float(x[0])
-    else:
-        rng = np.random.default_rng(seed)
-        meds = np.median(x[rng.integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))], axis=1)
-        lo, hi = np.quantile(meds, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
-        lo, hi = (-math.inf, math.inf) if n < 3 else (float(lo), float(hi))
-    back = np.exp if log else (lambda v: v)
+def _t_interval(y: np.ndarray) -> tuple[float, float]:
+    """Student-t 95% interval of the mean of ``y`` (infinite below 2 values: no spread to speak of)."""
+    from scipy import stats
+
+    if len(y) < 2:
+        return -math.inf, math.inf
+    half = float(stats.t.ppf((1 + CONFIDENCE) / 2, len(y) - 1) * y.std(ddof=1) / math.sqrt(len(y)))
+    return float(y.mean() - half), float(y.mean() + half)
+
+
+def _iqr(x: np.ndarray) -> tuple[float, float]:
     q1, q3 = np.quantile(x, [0.25, 0.75])
-    return Spread(float(back(np.median(x))), (float(back(lo)), float(back(hi))), n, (float(back(q1)), float(back(q3))))
+    return float(q1), float(q3)
+
+
+def median_ci(values: Sequence[float], log: bool = False) -> Spread:
+    """Median with a 95% CI: the Student-t interval of the mean (of the logs when ``log``, for ratios and rates),
+    widened to hold the median where the two differ; none below 3 values. At 3-4 rounds this has its stated
+    coverage under roughly log-normal noise, where a bootstrap of the median gives the range of the values (75%
+    coverage at 3)."""
+    x = np.asarray(values, dtype=float)
+    if len(x) == 0:
+        raise ValueError("no samples")
+    med = float(np.median(x))
+    if len(x) < 3:
+        return Spread(med, (-math.inf, math.inf), len(x), _iqr(x))
+    lo, hi = _t_interval(np.log(x) if log else x)
+    if log:
+        lo, hi = math.exp(lo), math.exp(hi)
+    return Spread(med, (min(lo, med), max(hi, med)), len(x), _iqr(x))
 
 
 def mean_ci(values: Sequence[float]) -> Spread:
     """Mean with the Student-t 95% CI across repeats (what AIPerf reports per metric)."""
-    from scipy import stats
-
     x = np.asarray(values, dtype=float)
-    n = len(x)
-    mean = float(x.mean())
-    if n < 2:
-        return Spread(mean, (-math.inf, math.inf), n)
-    half = float(stats.t.ppf((1 + CONFIDENCE) / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
-    q1, q3 = np.quantile(x, [0.25, 0.75])
-    return Spread(mean, (mean - half, mean + half), n, (float(q1), float(q3)))
+    return Spread(float(x.mean()), _t_interval(x), len(x), _iqr(x))
 
 
 def _proc_stat() -> tuple[int, int] | None:
@@ -172,7 +176,7 @@ class SpeedProtocol:
 class PairedRatio:
     """Candidate over reference, measured in interleaved rounds (one ratio per round)."""
 
-    ratio: Spread  # median of per-round candidate/reference rate ratios, bootstrap CI
+    ratio: Spread  # median of per-round candidate/reference rate ratios, t-interval of their mean log
     reference: Spread  # reference rate per round (tokens / seconds over the round's blocks)
     candidate: Spread
     rounds: int
@@ -221,14 +225,15 @@ def paired_ratio(run_reference: Callable[[int], Sample], run_candidate: Callable
         if len(rounds) < protocol.min_rounds:
             continue
         ratios = [_rate(c) / _rate(r) for r, c in rounds if _rate(r) > 0]
-        estimate = median_ci(ratios, log=True, seed=protocol.seed)
+        estimate = median_ci(ratios, log=True)
         wide = estimate.rel_halfwidth > protocol.threshold
         out_of_budget = protocol.budget_s is not None and clock() - t0 >= protocol.budget_s
         if not wide or len(rounds) >= protocol.max_rounds or out_of_budget:
             break
         if on_noisy is not None and not retuned:
             retuned.append(on_noisy())
-    return PairedRatio(estimate, median_ci([_rate(r) for r, _ in rounds]), median_ci([_rate(c) for _, c in rounds]),
+    return PairedRatio(estimate, median_ci([_rate(r) for r, _ in rounds], log=True),
+                       median_ci([_rate(c) for _, c in rounds], log=True),
                        len(rounds), 2 * units * len(rounds), wide, protocol, window.stop(), clock() - t0,
                        granularity, retuned)
 

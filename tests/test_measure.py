@@ -110,7 +110,9 @@ def test_bad_protocols_are_refused():
 def test_spreads():
     s = median_ci([1.0, 1.1, 0.9, 1.05, 0.95, 1.0])
     assert s.ci[0] <= s.value <= s.ci[1] and s.n == 6 and s.iqr[0] <= s.iqr[1]
-    assert not math.isfinite(median_ci([1.0, 2.0]).rel_halfwidth)  # two blocks: no CI claimed
+    assert not math.isfinite(median_ci([1.0, 2.0]).rel_halfwidth)  # two rounds: no CI claimed
+    r = median_ci([1.2, 1.25, 1.3], log=True)
+    assert r.ci[0] < 1.2 and r.ci[1] > 1.3  # three rounds: wider than their range (t with 2 degrees of freedom)
     m = mean_ci([10.0, 12.0, 11.0])
     assert m.value == pytest.approx(11.0) and m.ci[0] < 11.0 < m.ci[1]
 

@@ -38,7 +38,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
         paired = trial.user_attrs["speed"]
         lo, hi = paired["speedup_ci"]
         assert lo <= paired["speedup"] <= hi and trial.user_attrs["speedup"] == paired["speedup"]
-        assert paired["measurement"]["rounds"] >= 4 and isinstance(trial.user_attrs["noisy"], bool)
+        assert paired["measurement"]["rounds"] >= 3 and isinstance(trial.user_attrs["noisy"], bool)
         assert paired["measurement"]["threads"]["threads"] >= 1
     speed = spec_trial.user_attrs["speed"]
     assert 0 <= speed["alpha"] <= 1 and speed["tau"] >= 1
