@@ -77,9 +77,9 @@ def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline
     window.stop()
     for config in group:
         last = samples[id(config)][-1]
+        last.summary["load"] = window.to_dict()  # the machine's load and steal around this load point's runs
         if repeats > 1:
-            last.summary["repeats"] = _stats(samples[id(config)]) | {"n": repeats, "granularity": granularity,
-                                                                   "load": window.to_dict()}
+            last.summary["repeats"] = _stats(samples[id(config)]) | {"n": repeats, "granularity": granularity}
         runs.append(last)
     return True
 

@@ -87,6 +87,31 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, t
     assert res.summary["spec"]["drafts"] <= steps < sum(r.output_tokens - 1 for r in res.results)
 
 
+def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir):
+    """``benchmark(..., repeats=3)``: every metric's mean and CI over the repeats, the speculative config's
+    speedup among them, its baseline run beside it in each repeat (both native engines resident), and the load."""
+    from evals.bench_sweep import benchmark
+
+    base = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
+    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3)
+    labels = []
+    runs = benchmark([base, spec], [LoadSpec.closed(1)], num_prompts=2, output_len=6, repeats=3,
+                     progress=lambda label, _n: labels.append(label) or (lambda: None))
+    assert len(runs) == 2 and all(not r.failed for r in runs)
+    for run in runs:
+        stats = run.summary["repeats"]
+        assert stats["n"] == 3 and stats["granularity"].startswith("interleaved")
+        tok = stats["effective_tok_s"]
+        assert tok["n"] == 3 and tok["ci"][0] <= tok["value"] <= tok["ci"][1]
+        assert "load_1m_before" in run.summary["load"]
+    assert "speedup" in runs[1].summary["repeats"] and "speedup" not in runs[0].summary["repeats"]
+    # runs alternate repeat by repeat, each speculative run right after a baseline run of the same repeat
+    assert ["ngram" in label for label in labels] == [False, True] * 3
+    assert [label.endswith(f"({i}/3)") for i, label in zip((1, 1, 2, 2, 3, 3), labels)] == [True] * 6
+    with pytest.raises(UserError, match="--repeats must be >= 1"):
+        benchmark([base], [LoadSpec.closed(1)], repeats=0)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--rate", "0"], "--rate must be > 0"),
     (["--rate", "-2"], "--rate must be > 0"),

@@ -67,12 +67,13 @@ def print_results(title: str, runs: list) -> None:
             _repeated(s, "speedup", ".2f", "x") if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}",
             str(s["n_failed"]))
     console.print(table)
-    repeated = [r.summary["repeats"] for r in runs if not r.failed and "repeats" in r.summary]
-    if repeated:
-        load = repeated[-1]["load"]
-        console.print(f"[dim]mean [95% CI] over {repeated[0]['n']} repeats ({repeated[0]['granularity']}); "
-                      f"load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} cores, "
-                      f"steal {load['steal_pct']}%[/]")
+    ok = [r.summary for r in runs if not r.failed and "load" in r.summary]
+    if ok:
+        load, repeated = ok[-1]["load"], ok[-1].get("repeats")
+        how = (f"mean [95% CI] over {repeated['n']} repeats ({repeated['granularity']})" if repeated else
+               "one run per load point, so no spread (--repeats N gives each metric's mean and CI)")
+        console.print(f"[dim]{how}; load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} "
+                      f"cores, steal {load['steal_pct']}%[/]")
     console.print(f"[dim]{hardware_line()}[/]")
 
 
