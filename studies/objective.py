@@ -211,7 +211,8 @@ class RealEvaluator:
     def speed(self, config: TrialConfig) -> SpeedResult:
         serving = serving_config(config, threads=self.threads)
         t0 = time.perf_counter()
-        own = config != self.reference
+        # the reference point runs on the resident reference engine when points are paired with it
+        own = config != self.reference or self._unpaired_reason(config) is not None
         backend = open_backend(serving) if own else self._reference_backend()
         t1 = time.perf_counter()
         try:
@@ -244,9 +245,10 @@ class RealEvaluator:
             return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=record, extra=extra,
                                measurement={"granularity": self._unpaired_reason(config)})
         record["results"]["paired"] = paired.to_dict()
+        threads = backend.engine_config().get("thread_choice")
         return SpeedResult(paired.candidate.value, result.alpha, result.tau, record=record, extra=extra,
                            tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value, speedup_ci=paired.ratio.ci,
-                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": backend.engine_config().get("thread_choice")})
+                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": threads})
 
     def _reference_backend(self):
         """The reference engine, opened once and kept resident beside every candidate (interleavable backends)."""

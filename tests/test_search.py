@@ -734,3 +734,16 @@ def test_paired_speed_fields_reach_the_table_csv_and_plot(tmp_path):
     header = rows[0].split(",")
     assert {"speedup_ci_low", "speedup_ci_high", "noisy", "rounds"} <= set(header)
     assert write_png(summary, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_interleavable_backends_are_paired_with_the_reference():
+    """Native points are measured paired with the resident reference engine; a vLLM point (an engine per
+    configuration) is not, and says why; so is every point of a space whose reference is served by vLLM."""
+    from studies.objective import RealEvaluator
+
+    evaluator = RealEvaluator()
+    evaluator.reference = TrialConfig()
+    assert evaluator._unpaired_reason(TrialConfig(weights="w8ch-sym", method="rtn")) is None
+    assert "vllm engines cannot stay resident" in evaluator._unpaired_reason(TrialConfig(backend="vllm"))
+    evaluator.reference = TrialConfig(backend="vllm")
+    assert evaluator._unpaired_reason(TrialConfig()).startswith("unpaired: vllm")
