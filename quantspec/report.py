@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.record import RunRecord
+from runtime.model_store import caveat_applies
 
 console = Console(width=max(Console().width, 120))
 
@@ -48,8 +49,7 @@ def print_sweep(record: RunRecord) -> None:
     console.print(table)
     console.print(f"recommended K: {res['best_k_measured']} (best measured speedup); theory with the largest K's "
                   f"β and c and the measured verify costs: K={res['best_k_theory']}")
-    if record.model.note:
-        console.print(f"[yellow]note:[/] {record.model.note}")
+    print_caveat(record)
 
 
 def plot_sweep(record: RunRecord, path: str) -> None:
@@ -80,6 +80,12 @@ def plot_sweep(record: RunRecord, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+
+
+def print_caveat(record: RunRecord) -> None:
+    """The default model's Q4_1 note, where the record holds 4-bit results (it is in every record regardless)."""
+    if caveat_applies(record.to_dict()):
+        console.print(f"[yellow]note:[/] {record.model.note}")
 
 
 def _with_ci(value: float, ci) -> str:
@@ -114,5 +120,4 @@ def print_decode_comparison(record) -> None:
             console.print(f"[dim]load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} cores, "
                           f"steal {load['steal_pct']}%; {res['threads']['threads']} thread(s) "
                           f"({res['threads']['how']})[/]")
-    if record.model.note:
-        console.print(f"[yellow]note:[/] {record.model.note}")
+    print_caveat(record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,18 @@ SMOLLM2 = GgufWheel(
         "checkpoints"
     ),
 )
+
+
+FOUR_BIT = re.compile(r"\bw4|W4A|int4|selfquant:w4")  # a scheme or proposer that runs 4-bit weights
+
+
+def caveat_applies(record: dict) -> bool:
+    """Whether a run record (``RunRecord.to_dict()``) holds 4-bit results on the default model: only then is its
+    Q4_1 note worth printing (it stays in every record of the model)."""
+    if not record.get("model", {}).get("note"):
+        return False
+    shown = dict(record.get("model", {}), note="")
+    return bool(FOUR_BIT.search(json.dumps([shown, record.get("engine", {}).get("config")], default=str)))
 
 
 def default_model_dir() -> Path:

@@ -42,3 +42,17 @@ def test_decode_bytes_counts_weights_not_cache(tiny_llama_dir):
     cfg = lm.model.args
     expected_params = sum(p.numel() for p in lm.model.parameters()) - cfg.vocab_size * cfg.dim  # untied: no embed
     assert decode_bytes_per_token(lm.model) == 4 * expected_params
+
+
+def test_q4_1_caveat_is_printed_only_beside_4_bit_results():
+    """Every default-model record keeps the Q4_1 note; commands print it only where 4-bit weights ran (negative
+    control: the note's own text names int4-g32-asym, which must not count)."""
+    from runtime.model_store import SMOLLM2, caveat_applies
+
+    def record(scheme, spec=None, note=SMOLLM2.note):
+        return {"model": {"note": note, "scheme": scheme}, "engine": {"config": {"spec": spec}}}
+
+    assert not caveat_applies(record("w8ch-sym")) and not caveat_applies(record(None))
+    assert caveat_applies(record("w4g32-asym")) and caveat_applies(record("W4A16"))
+    assert caveat_applies(record(None, spec="selfquant:w4g32-sym"))
+    assert not caveat_applies(record("w4g32-asym", note=""))  # another model: no note to print

@@ -14,6 +14,7 @@ from runtime.hardware import hardware_line
 from quantspec.cli.app import DataDirOption, ModelArgument, app
 from evals.loadgen import LoadSpec
 import quantspec
+from quantspec.report import print_caveat
 from evals.backends import backend_class
 from evals.backends.base import ServingConfig
 from evals.serving_metrics import SLO
@@ -143,8 +144,7 @@ def bench(
         runs = quantspec.benchmark(configs, loads, workload, num_prompts, output_len, not natural_eos, data_dir,
                                    SLO(slo_ttft, slo_tpot), progress, repeats)
     print_results(f"{backend}: {model} {scheme} kv={kv} | {workload}, {num_prompts} prompts", runs)
-    if runs[0].record.model.note:
-        console.print(f"[yellow]note:[/] {runs[0].record.model.note}")
+    print_caveat(runs[-1].record)
     if json_out:
         write_json_atomic(json_out, {"runs": [r.record.to_dict() for r in runs]})
         console.print(f"run records: {json_out}")

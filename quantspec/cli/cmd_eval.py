@@ -9,6 +9,7 @@ from evals.compare_backends import BackendComparison, compare_backends
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.record import write_json_atomic
 from quantspec.cli.app import DataDirOption, DtypeOption, app
+from runtime.model_store import caveat_applies
 
 console = Console()
 
@@ -46,8 +47,10 @@ def print_report(report: EvalReport) -> None:
     colour = {"pass": "green", "fail": "red"}.get(report.verdict, "yellow")
     floor = report.record.metric.correctness
     console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
+    four_bit = caveat_applies(report.record.to_dict())
     for note in report.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        if four_bit or not note.startswith("default model:"):  # the Q4_1 note only beside 4-bit results
+            console.print(f"[yellow]note:[/] {note}")
 
 
 def print_comparison(comparison: BackendComparison, show: int = 10) -> None:
