@@ -42,8 +42,21 @@ def data_file(relative: str, data_dir: str | Path | None = None) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """One JSON object per non-empty line; a line that is not one is a UserError naming it."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{number}: not JSON ({exc.msg}); write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{number}: expected a JSON object like {{\"prompt\": \"...\"}}, "
+                                f"got {type(row).__name__}")
+            rows.append(row)
+    return rows
 
 
 def load_prompts(source: str, data_dir: str | Path | None = None, limit: int | None = None) -> list[str]:
@@ -63,4 +76,7 @@ def load_prompts(source: str, data_dir: str | Path | None = None, limit: int | N
         if text is None:
             raise UserError(f"{source}: row without a prompt/text/turns field: {str(row)[:80]}")
         prompts.append(text)
+    if not prompts:
+        raise UserError(f"{source} holds no prompts: write one JSON object per line with a prompt, text or turns "
+                        "field")
     return prompts[:limit] if limit else prompts

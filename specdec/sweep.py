@@ -28,7 +28,7 @@ Tick = Callable[[str], None]
 def parse_ks(text: str) -> list[int]:
     """"1,2,4,8" -> [1, 2, 4, 8], each a valid draft length."""
     try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
+        ks = [int(x) for x in text.split(",")]  # an empty item ("2,,4") is a typo, not a skip
     except ValueError:
         raise UserError(f"--k must be comma-separated integers like 1,2,4,8, got {text!r}") from None
     if not ks:

@@ -84,3 +84,13 @@ def test_bad_repeats(tiny_llama_dir):
 def test_bad_noise_threshold(tmp_path):
     assert_one_line_error(run_cli("search", "--noise-threshold", "0", "--study-dir", str(tmp_path)),
                           "--noise-threshold must be in (0, 1)")
+
+
+@pytest.mark.parametrize("content, needle", [("", "holds no prompts"), ("\n\n", "holds no prompts"),
+                                             ('{"prompt": "hi"}\n{oops\n', ":2: not JSON"),
+                                             ('["hi"]\n', "expected a JSON object")])
+def test_bad_prompts_file(tiny_llama_dir, tmp_path, content, needle):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    assert_one_line_error(run_cli("accept", str(tiny_llama_dir), "--spec", "ngram:min=1,max=2", "--k", "1",
+                                  "--prompts", str(path), "--limit", "2"), needle)

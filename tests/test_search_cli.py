@@ -23,6 +23,7 @@ def cli_error(capsys, *args) -> str:
     (["--weights", ""], "empty search space"),
     (["--backends", "tensorrt"], "unknown backend"),
     (["--k", "x"], "--k"),
+    (["--k", "2,,4"], "--k"),
     (["--space", "nope"], "search space 'nope' not found"),
     (["--storage", "redis://localhost/0"], "unknown storage"),
     (["--storage", "postgresql://127.0.0.1:1/x"], "cannot open storage"),

@@ -397,6 +397,7 @@ def test_bad_proposer_specs(target, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--k", "0"], "1..32"), (["--k", "64"], "1..32"), (["--k", "a,b"], "comma-separated"),
+    (["--k", "2,,4"], "comma-separated"),
     (["--spec", "nope"], "unknown proposer"), (["--spec", "layerskip:7"], "1..1"),
     (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top-p"), (["--top-p", "0"], "top-p"),
     (["-n", "1"], "--max-new-tokens must be >= 2"),

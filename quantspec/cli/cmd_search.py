@@ -34,7 +34,7 @@ def _k_range(text: str | None) -> list[int] | None:
     if text is None:
         return None
     try:
-        parts = [int(p) for p in text.replace("-", ",").split(",") if p.strip()]
+        parts = [int(p) for p in text.replace("-", ",").split(",")]  # "2,,4" is a typo, not a skip
     except ValueError:
         raise UserError(f"--k {text!r}: use LOW-HIGH (e.g. 1-8) or a single number") from None
     return parts * 2 if len(parts) == 1 else parts
