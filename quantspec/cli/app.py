@@ -13,7 +13,8 @@ app.add_typer(model_app, name="model")
 DataDirOption = typer.Option(None, "--data-dir", envvar="QUANTSPEC_DATA_DIR",
                              help="Offline eval data dir (default: ../shared/data when present).")
 ModelArgument = typer.Argument("default", metavar="MODEL", help="`default`, a local HF dir, or a hub id.")
-SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 | draft:PATH\\[@SCHEME] | layerskip:L | "
+SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 (a bare `ngram` is vLLM's default, "
+                                              "min=max=5) | draft:PATH\\[@SCHEME] | layerskip:L | "
                                               "selfquant:SCHEME | eagle:HEAD_DIR | a registered one.")
 DtypeOption = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"bf16 or fp32 (default {DEFAULT_DTYPE}, every command).")
 DeviceOption = typer.Option("auto", "--device", help="cpu, cuda, or auto (default: cuda when torch sees a GPU).")
