@@ -112,7 +112,8 @@ def test_cli_generate_compile_prints_the_eager_text(tiny_llama_dir, one_thread, 
 
     def run(*flags):
         with pytest.raises(SystemExit) as exit_:
-            main(["generate", str(tiny_llama_dir), "-p", "hello", "--dtype", "fp32", "-n", "12", *flags])
+            main(["generate", str(tiny_llama_dir), "-p", "hello", "--dtype", "fp32", "-n", "12", "--threads", "1",
+                  *flags])  # --threads: the module's one thread stays (otherwise generate's probe picks one)
         assert exit_.value.code == 0
         text, summary = capsys.readouterr().out.rsplit("prompt ", 1)  # the answer, then the speed line
         return text, " ".join(summary.split())
