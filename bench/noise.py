@@ -31,7 +31,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from evals.workloads import build_requests
 from runtime.hardware import probe
-from runtime.measure import LoadWindow, SpeedProtocol, paired_ratio, single_shot_ratio
+from runtime.measure import LoadWindow, SpeedProtocol, paired_ratio
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from runtime.threads import apply_threads
 

@@ -8,6 +8,7 @@ Engines of an interleavable backend (native) are all started first and alternate
 """
 from __future__ import annotations
 
+import functools
 from contextlib import ExitStack
 from typing import Callable
 
@@ -34,26 +35,23 @@ def benchmark(configs: list, loads: list, workload: str = "short-short", num_pro
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")
     together = all(backend_class(c).interleavable for c in configs)
+    groups = [configs] if together else [[c] for c in configs]  # engines resident at once
+    granularity = "interleaved: configs alternate run by run" if together else "config after config"
+    measure = functools.partial(run_benchmark, workload=workload, num_prompts=num_prompts, output_len=output_len,
+                                ignore_eos=ignore_eos, data_dir=data_dir, slo=slo)
     runs: list[BenchResult] = []
-    baselines: dict = {}  # load -> the latest no-speculation run at it
-    with ExitStack() as stack:
-        engines = {id(c): stack.enter_context(open_backend(c)) for c in configs} if together else {}
-        for config in configs if not together else [None]:
-            if config is not None:  # one engine at a time
-                engines = {id(config): stack.enter_context(open_backend(config))}
-            group = configs if config is None else [config]
+    baselines: dict = {}  # load -> {"base": the latest no-speculation run at it}
+    for group in groups:
+        with ExitStack() as stack:
+            engines = {id(c): stack.enter_context(open_backend(c)) for c in group}
             for load in loads:
-                done = _repeat(group, engines, load, repeats, runs, baselines.setdefault(load, {}), dict(workload=workload, num_prompts=num_prompts,
-                               output_len=output_len, ignore_eos=ignore_eos, data_dir=data_dir, slo=slo), progress,
-                               "interleaved: configs alternate run by run" if together else "config after config")
-                if not done:
+                if not _repeat(group, engines, load, repeats, runs, baselines.setdefault(load, {}), measure,
+                               num_prompts, progress, granularity):
                     return runs
-            if config is not None:
-                engines[id(config)].close()
     return runs
 
 
-def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline: dict, kw: dict,
+def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline: dict, measure, num_prompts: int,
             progress: ProgressFactory, granularity: str) -> bool:
     """Every config of ``group`` at ``load``, ``repeats`` times; appends one BenchResult per config to ``runs``.
     ``baseline["base"]``: the latest no-speculation run at this load (speculative configs' speedup baseline).
@@ -64,10 +62,9 @@ def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline
         order = group if r % 2 == 0 or len(group) == 1 else _reversed_keeping_baselines(group)
         for config in order:
             advance = progress(f"{config.label} {load.label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
-                               kw["num_prompts"])
-            run = run_benchmark(config, kw["workload"], load, backend=engines[id(config)], **{
-                k: kw[k] for k in ("num_prompts", "output_len", "ignore_eos", "data_dir", "slo")},
-                baseline=baseline.get("base") if config.speculative else None, progress=lambda _r, a=advance: a())
+                               num_prompts)
+            run = measure(config, load=load, backend=engines[id(config)], progress=lambda _r, a=advance: a(),
+                          baseline=baseline.get("base") if config.speculative else None)
             if run.failed:
                 runs.append(run)
                 return False

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.record import RunRecord
+from runtime.measure import load_line, with_ci
 from runtime.model_store import caveat_applies
 
 console = Console(width=max(Console().width, 120))
@@ -36,7 +37,7 @@ def print_sweep(record: RunRecord) -> None:
     for r in res["rows"]:
         cells = [str(r["k"]), f"{r['alpha']:.2f}", f"{r['beta']:.2f}", f"{r['tau']:.2f}",
                  " ".join(f"{a:.2f}"[1:] for a in r["acceptance_per_pos"]), f"{r['tok_s']:.1f}",
-                 _with_ci(r["speedup"], r.get("speedup_ci")), f"{r['predicted_speedup']:.2f}",
+                 with_ci(r["speedup"], r.get("speedup_ci")), f"{r['predicted_speedup']:.2f}",
                  f"{r['refined_speedup']:.2f}",
                  f"{r['c']:.3f}", f"{r['verify_cost']:.2f}"]
         if greedy:
@@ -88,13 +89,6 @@ def print_caveat(record: RunRecord) -> None:
         console.print(f"[yellow]note:[/] {record.model.note}")
 
 
-def _with_ci(value: float, ci) -> str:
-    """``1.23 [1.10, 1.35]``; a CI that is not finite (fewer than 3 prompts) is left out."""
-    if not ci or not all(map(math.isfinite, ci)):
-        return f"{value:.2f}"
-    return f"{value:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
-
-
 def print_decode_comparison(record) -> None:
     res = record.results
     table = Table(title=f"batch-1 greedy decode, {record.model.model_id} {record.model.precision}, "
@@ -103,8 +97,8 @@ def print_decode_comparison(record) -> None:
         table.add_column(col, justify="right")
     for row in res["rows"]:
         ci = row.get("decode_tok_s_ci")
-        spread = f" [{ci[0]:.1f}, {ci[1]:.1f}] (n={row['rounds']})" if ci else ""
-        table.add_row(row["engine"], f"{row['decode_tok_s']:.1f}{spread}", f"{row['prefill_ms']:.0f}",
+        rounds = f" (n={row['rounds']})" if ci else ""
+        table.add_row(row["engine"], with_ci(row["decode_tok_s"], ci, ".1f") + rounds, f"{row['prefill_ms']:.0f}",
                       f"{row['roofline_pct']:.0f}%")
     console.print(table)
     console.print(f"bandwidth {res['bandwidth_gb_s']:.1f} GB/s, {res['bytes_per_token'] / 2**20:.0f} MiB/token -> "
@@ -117,7 +111,5 @@ def print_decode_comparison(record) -> None:
                       f"greedy tokens equal: {res['greedy_tokens_equal']}")
         if paired.get("load"):
             load = paired["load"]
-            console.print(f"[dim]load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} cores, "
-                          f"steal {load['steal_pct']}%; {res['threads']['threads']} thread(s) "
-                          f"({res['threads']['how']})[/]")
+            console.print(f"[dim]{load_line(load)}; {res['threads']['threads']} thread(s) ({res['threads']['how']})[/]")
     print_caveat(record)

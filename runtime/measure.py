@@ -149,10 +149,6 @@ class LoadWindow:
         return {"load_1m_before": self.load_1m_before, "load_1m_after": self.load_1m_after,
                 "steal_pct": self.steal_pct, "cpus": self.cpus}
 
-    def line(self) -> str:
-        return (f"load {self.load_1m_before} -> {self.load_1m_after} on {self.cpus} cores, "
-                f"steal {self.steal_pct if self.steal_pct is not None else '?'}%")
-
 
 @dataclass
 class SpeedProtocol:
@@ -250,15 +246,14 @@ def ratio_of_totals(reference: list[Sample], candidate: list[Sample], seed: int 
     ref_t, ref_s = np.array([s.tokens for s in reference], float), np.array([s.seconds for s in reference], float)
     cand_t, cand_s = np.array([s.tokens for s in candidate], float), np.array([s.seconds for s in candidate], float)
 
-    def ratio(idx):
-        return (cand_t[idx].sum() / cand_s[idx].sum()) / (ref_t[idx].sum() / ref_s[idx].sum())
+    def ratio(idx: np.ndarray) -> np.ndarray:  # units picked by each row of ``idx``
+        return (cand_t[idx].sum(-1) / cand_s[idx].sum(-1)) / (ref_t[idx].sum(-1) / ref_s[idx].sum(-1))
 
     n = len(reference)
     value = float(ratio(np.arange(n)))
     if n < 3:
         return Spread(value, (-math.inf, math.inf), n)
-    idx = np.random.default_rng(seed).integers(0, n, size=(BOOTSTRAP_RESAMPLES, n))
-    boots = (cand_t[idx].sum(1) / cand_s[idx].sum(1)) / (ref_t[idx].sum(1) / ref_s[idx].sum(1))
+    boots = ratio(np.random.default_rng(seed).integers(0, n, size=(BOOTSTRAP_RESAMPLES, n)))
     lo, hi = np.quantile(boots, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
     return Spread(value, (float(lo), float(hi)), n)
 
@@ -268,8 +263,15 @@ def single_shot_ratio(reference: Sample, candidate: Sample) -> float:
     return candidate.rate / reference.rate
 
 
-def describe_spread(s: Spread, unit: str = "", spec: str = ".1f") -> str:
-    """``12.3 [11.9, 12.8] unit (n=6)``: a value with its CI, as every table prints it."""
-    if not all(map(math.isfinite, s.ci)):
-        return f"{format(s.value, spec)}{unit} (n={s.n}, no CI)"
-    return f"{format(s.value, spec)}{unit} [{format(s.ci[0], spec)}, {format(s.ci[1], spec)}] (n={s.n})"
+def with_ci(value: float, ci, spec: str = ".2f", unit: str = "") -> str:
+    """``1.23x [1.10, 1.35]``: a value and its CI, as every table prints them; without a finite CI the value alone."""
+    text = format(value, spec) + unit
+    if ci and all(map(math.isfinite, ci)):
+        text += f" [{format(ci[0], spec)}, {format(ci[1], spec)}]"
+    return text
+
+
+def load_line(load: dict) -> str:
+    """``load 1.2 -> 1.5 on 2 cores, steal 0.3%``: a ``LoadWindow.to_dict()``, as every table prints it."""
+    return (f"load {load.get('load_1m_before')} -> {load.get('load_1m_after')} on {load.get('cpus')} cores, "
+            f"steal {load.get('steal_pct')}%")

@@ -12,6 +12,7 @@ from rich.table import Table
 from evals.record import write_json_atomic
 from runtime.model_store import SMOLLM2, is_default_model
 from runtime.errors import UserError
+from runtime.measure import load_line, with_ci
 from studies.storage import open_storage, shown_url
 
 Q4_1_SCHEME = "w4g32-asym"  # rows of this scheme on the default model carry the Q4_1-origin caveat
@@ -100,9 +101,7 @@ def separably_dominated(points: list[tuple[Interval, Interval]]) -> list[bool]:
 
 
 def _load_text(load: dict | None) -> str | None:
-    if not load:
-        return None
-    return f"load {load.get('load_1m_before')} -> {load.get('load_1m_after')}, steal {load.get('steal_pct')}%"
+    return load_line(load) if load else None
 
 
 def _row(trial: optuna.trial.FrozenTrial) -> Row:
@@ -214,10 +213,7 @@ def _tok_s_cell(r: Row) -> str:
 def _speedup_cell(r: Row) -> str:
     if r.speedup is None:
         return ""
-    text = f"{r.speedup:.2f}x"
-    if r.speedup_ci:
-        text += f" [{r.speedup_ci[0]:.2f}, {r.speedup_ci[1]:.2f}]"
-    return text + (" [yellow]noisy[/]" if r.noisy else "")
+    return with_ci(r.speedup, r.speedup_ci, ".2f", "x") + (" [yellow]noisy[/]" if r.noisy else "")
 
 
 def _exact_cell(r: Row) -> str:

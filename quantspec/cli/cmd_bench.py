@@ -11,6 +11,7 @@ from rich.table import Table
 from evals.record import write_json_atomic
 from runtime.errors import UserError
 from runtime.hardware import hardware_line
+from runtime.measure import load_line, with_ci
 from quantspec.cli.app import DataDirOption, ModelArgument, app
 from evals.loadgen import LoadSpec
 import quantspec
@@ -73,8 +74,7 @@ def print_results(title: str, runs: list) -> None:
         load, repeated = ok[-1]["load"], ok[-1].get("repeats")
         how = (f"mean [95% CI] over {repeated['n']} repeats ({repeated['granularity']})" if repeated else
                "one run per load point, so no spread (--repeats N gives each metric's mean and CI)")
-        console.print(f"[dim]{how}; load {load['load_1m_before']} -> {load['load_1m_after']} on {load['cpus']} "
-                      f"cores, steal {load['steal_pct']}%[/]")
+        console.print(f"[dim]{how}; {load_line(load)}[/]")
     console.print(f"[dim]{hardware_line()}[/]")
 
 
@@ -83,8 +83,7 @@ def _repeated(summary: dict, name: str, spec: str, unit: str = "") -> str:
     stats = (summary.get("repeats") or {}).get(name)
     if not stats:
         return format(summary[name], spec) + unit
-    lo, hi = stats["ci"]
-    return f"{format(stats['value'], spec)}{unit} [{format(lo, spec)}, {format(hi, spec)}]"
+    return with_ci(stats["value"], stats["ci"], spec, unit)
 
 
 def _spec_label(run) -> str:
