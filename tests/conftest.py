@@ -138,6 +138,16 @@ def bf16_speculation_refusal(lm) -> str | None:
     return None
 
 
+@pytest.fixture(scope="session")
+def spec_dtype(tiny_llama_dir) -> str:
+    """The dtype in which speculation on the tiny model is token-exact here: bf16 where its kernels are
+    batch-invariant (``check_bf16_exact``), else fp32 (the refusal itself: test_hardware)."""
+    from runtime.loading import load_model
+
+    return "fp32" if bf16_speculation_refusal(load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")) \
+        else "bf16"
+
+
 def require_bf16_exact(lm) -> None:
     """Skip (with the probe's reason) unless bf16 speculation is token-exact on the kernels this model runs."""
     require(bf16_speculation_refusal(lm))

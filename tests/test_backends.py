@@ -15,7 +15,7 @@ from runtime.errors import UserError
 from quantspec.cli import main
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,11 @@ def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
     assert 0 < res.summary["itl_s"]["p50"] <= res.summary["e2e_s"]["p50"]
 
 
-def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, tiny_native):
-    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
-    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3)
+def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, spec_dtype):
+    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, dtype=spec_dtype)
+    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3, dtype=spec_dtype)
     kwargs = dict(num_prompts=3, output_len=24, seed=1)
-    base = run_benchmark(config, "short-short", LoadSpec.closed(1), backend=tiny_native, **kwargs)
+    base = run_benchmark(config, "short-short", LoadSpec.closed(1), **kwargs)
     res = run_benchmark(spec, "short-short", LoadSpec.closed(1), baseline=base, **kwargs)
     assert res.summary["greedy_match_baseline"] == 1.0  # greedy speculation emits the plain decoder's tokens
     assert res.summary["spec"]["drafts"] > 0 and 0 <= res.alpha <= 1 and 1 <= res.tau <= 4
@@ -87,13 +87,13 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, t
     assert res.summary["spec"]["drafts"] <= steps < sum(r.output_tokens - 1 for r in res.results)
 
 
-def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir):
+def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir, spec_dtype):
     """``benchmark(..., repeats=3)``: every metric's mean and CI over the repeats, the speculative config's
     speedup among them, its baseline run beside it in each repeat (both native engines resident), and the load."""
     from evals.bench_sweep import benchmark
 
-    base = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
-    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3)
+    base = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, dtype=spec_dtype)
+    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3, dtype=spec_dtype)
     labels = []
     runs = benchmark([base, spec], [LoadSpec.closed(1)], num_prompts=2, output_len=6, repeats=3,
                      progress=lambda label, _n: labels.append(label) or (lambda: None))

@@ -39,8 +39,8 @@ class NativeBackend(Backend):
         if reason:
             raise UserError(reason)
         point = config.config
-        # bf16 with eager attention: batch-invariant rows, so speculation is token-exact
-        point = replace(point, dtype="bf16", attention=point.attention or "eager")
+        # eager attention: batch-invariant rows, so bf16 speculation is token-exact (``check_bf16_exact``)
+        point = replace(point, attention=point.attention or "eager")
         built = build_native(point, config.threads)
         self.lm, self.quant_report = built.lm, built.report
         self.scheme_info = built.scheme_info
