@@ -32,11 +32,12 @@ demo: model
 	.venv/bin/quantspec demo
 
 test: setup model
-	$(PY) -m pytest -q -rs --durations=20 tests
+	$(PY) -m pytest -q -rs --durations=25 tests
 
-# The suite again with the probe reporting an AVX2-only CPU: the fallback kernels run and the refusals fire.
+# The tests whose kernels the CPU probe picks (marker isa), again with the probe reporting an AVX2-only CPU: the
+# fallback kernels run and the refusals fire. vLLM engines do not read the override, so their tests are not rerun.
 test-avx2: setup model
-	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs tests
+	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs --durations=10 -m "isa and not vllm" tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not integration and not vllm"

@@ -18,7 +18,8 @@ from runtime.sampling import SamplingConfig
 from specdec.lossless import (ALPHA, Chain, DistributionTest, FirstStepTest, JointTest, bonus_test, first_step_test,
                               greedy_mismatches, joint_test)
 from specdec.proposers import Proposer, build_proposer
-from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
+from specdec.proposers.base import MAX_K, check_k
+from specdec.speculative import SpeculativeDecoder
 from specdec.sweep import SweepResult, run_sweep
 from specdec.theory import best_k
 

@@ -18,7 +18,7 @@ from quant.kvcache import KVQuantSpec, parse_kv_spec
 from quant.scheme import QuantScheme, parse_scheme
 from runtime.errors import UserError
 from runtime.hardware import device_kind
-from specdec.proposers.base import ProposerSpec, parse_proposer_spec
+from specdec.proposers.base import ProposerSpec, check_k, parse_proposer_spec
 
 NONE = "none"
 DEFAULT_K = 4
@@ -68,8 +68,8 @@ class Config:
             k = DEFAULT_K
         if spec is None:
             k = None
-        elif not 1 <= int(k) <= 64:
-            raise UserError(f"K must be in 1..64, got {k}")
+        else:
+            check_k(int(k))
         acts = parse_activations(activations)
         scheme = parse_scheme(weights)  # activations without weights: a validity check says why it can't run
         if scheme.weights is not None and acts is not None:

@@ -7,22 +7,14 @@ import time
 import torch
 
 from runtime.errors import UserError
-from runtime.hardware import EXACT_ROWS, sync
+from runtime.hardware import sync
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer, build_proposer
+from specdec.proposers.base import check_k
 from runtime.sampling import SamplingConfig, next_token
 from specdec.verify import verify
-
-MAX_K = EXACT_ROWS - 1  # a verification's rows (K + 1) stay where bf16 kernels are probed batch-invariant
-
-
-def check_k(k: int) -> int:
-    if not 1 <= k <= MAX_K:
-        raise UserError(f"K (draft tokens per step) must be in 1..{MAX_K}, got {k}")
-    return k
-
 
 def variant_kernels(model: torch.nn.Module) -> dict[str, str]:
     """Linear kernels whose rows depend on the batch here (probed): layer name -> kernel."""

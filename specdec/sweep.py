@@ -19,7 +19,8 @@ from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer
 from runtime.sampling import SamplingConfig
-from specdec.speculative import MAX_K, SpeculativeDecoder, check_k
+from specdec.proposers.base import MAX_K, check_k
+from specdec.speculative import SpeculativeDecoder
 from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
 
 Tick = Callable[[str], None]

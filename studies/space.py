@@ -24,7 +24,7 @@ from evals.backends.base import ServingConfig
 from evals.config import NONE, Config, parse_activations
 from quant.kvcache import parse_kv_spec
 from quant.scheme import parse_scheme
-from specdec.proposers.base import check_proposer_spec
+from specdec.proposers.base import MAX_K, check_proposer_spec
 
 SPACES_DIR = Path(__file__).parent / "spaces"
 TrialConfig = Config  # one configuration point: the search stores ``Config.to_dict()`` in user_attrs
@@ -65,8 +65,9 @@ class SearchSpace:
         sq = self.smoothquant if isinstance(self.smoothquant, (list, tuple)) else [self.smoothquant]
         self.smoothquant = [NONE if v in (None, NONE) else float(v) for v in sq] or [NONE]
         k = list(self.k) if isinstance(self.k, (list, tuple)) else [self.k, self.k]
-        if len(k) != 2 or not 1 <= int(k[0]) <= int(k[1]) <= 64:
-            raise UserError(f"k must be a range [low, high] with 1 <= low <= high <= 64, got {self.k}")
+        if len(k) != 2 or not 1 <= int(k[0]) <= int(k[1]) <= MAX_K:
+            raise UserError(f"k must be a range [low, high] with 1 <= low <= high <= {MAX_K} (K, draft tokens per "
+                            f"step), got {self.k}")
         self.k = (int(k[0]), int(k[1]))
 
     @property

@@ -18,6 +18,9 @@ from quant.quantize import quantize_w8a8
 from quant.w8a8 import Int8xInt8Kernel
 
 
+pytestmark = pytest.mark.isa
+
+
 def test_dynamic_per_token_matches_formula():
     torch.manual_seed(0)
     x = torch.randn(7, 96) * torch.linspace(0.1, 5, 7)[:, None]

@@ -11,6 +11,9 @@ from runtime.errors import UserError
 from runtime.loading import load_model
 
 
+pytestmark = pytest.mark.isa
+
+
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_llama_dir):
     return load_model(tiny_llama_dir)

@@ -47,6 +47,20 @@ def test_proposer_strings_have_one_parser():
     assert not hasattr(base, "split_k")
 
 
+def test_one_k_bound_everywhere_the_speculation_limit():
+    """K above specdec's limit (verification rows where bf16 kernels are probed batch-invariant) is refused by
+    every parser with the same rule; the limit itself is accepted."""
+    from specdec.proposers.base import MAX_K
+    from studies.space import SearchSpace
+
+    assert Config.parse(model="m", spec="ngram", k=MAX_K).k == MAX_K
+    for make in (lambda: Config.parse(model="m", spec="ngram", k=MAX_K + 1),
+                 lambda: parse_proposer_spec(f"ngram:k={MAX_K + 1}"),
+                 lambda: SearchSpace(k=(2, MAX_K + 1))):
+        with pytest.raises(UserError, match=f"1 <= low <= high <= {MAX_K}|1..{MAX_K}"):
+            make()
+
+
 def test_holders_carry_one_config():
     s = ServingConfig(model="m", scheme="W8A8", spec="ngram:k=3", max_model_len=64)
     assert s.config == Config.parse(model="m", scheme="W8A8", spec="ngram:k=3") and s.k == 3

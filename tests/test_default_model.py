@@ -8,7 +8,7 @@ from runtime.loading import load_model
 from runtime.model_store import SMOLLM2, fetch_default_model
 from runtime.generate import Decoder, encode_prompt
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.isa, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ from specdec.train_draft import (TrainConfig, alpaca_prompts, benchmark_turns, c
                                  wikitext_articles)
 from quantspec.cli import main
 
+
+pytestmark = pytest.mark.isa
+
 FAST = TrainConfig(n_prompts=16, max_answer_tokens=48, n_wikitext=8, wikitext_len=64, epochs=10, batch=4, lr=1e-2)
 PROMPTS = ["hello world, this is", "The quick brown fox", "Name three colors.", "1, 2, 3, 4,"]
 

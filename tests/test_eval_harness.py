@@ -8,6 +8,9 @@ from evals.harness import EvalConfig, evaluate
 from runtime.errors import UserError
 
 
+pytestmark = pytest.mark.isa
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch, data_dir):
     monkeypatch.setenv("QUANTSPEC_HOME", str(tmp_path / "home"))

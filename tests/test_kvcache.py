@@ -9,6 +9,9 @@ from runtime.loading import load_model
 from runtime.generate import Decoder
 from runtime.transformer import KVCache
 
+
+pytestmark = pytest.mark.isa
+
 B, H, D = 2, 3, 64
 
 

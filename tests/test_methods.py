@@ -14,6 +14,9 @@ from quant.qmath import dequantize, fake_quantize, group_view
 from quant.scheme import WeightSpec
 from runtime.transformer import RMSNorm
 
+
+pytestmark = pytest.mark.isa
+
 SPECS = [WeightSpec(4, True, "group", 32), WeightSpec(3, True, "group", 32), WeightSpec(4, False, "group", 64),
          WeightSpec(4, True, "channel", None)]
 LINEAR_NAMES = [f"layers.{i}.{m}" for i in range(2) for m in

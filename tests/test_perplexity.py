@@ -10,6 +10,9 @@ from evals.perplexity import Window, windows, wikitext2_perplexity
 from runtime.errors import UserError
 from runtime.loading import load_model
 
+
+pytestmark = pytest.mark.isa
+
 TEXT = " = Robert Boulter = \n \n Robert Boulter is an English film , television and theatre actor . \n" * 6
 
 

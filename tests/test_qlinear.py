@@ -9,6 +9,9 @@ from quant.qmath import compute_qparams, quantize
 from quant.scheme import padded_width, parse_scheme
 
 
+pytestmark = pytest.mark.isa
+
+
 def make_layer(label, out_f=96, in_f=128, dtype=torch.float32, seed=0, bias=True, kernel=None):
     torch.manual_seed(seed)
     scheme = parse_scheme(label)

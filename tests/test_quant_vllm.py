@@ -11,6 +11,9 @@ from conftest import VLLM_W8A8_AMX, require
 from quant.vllm_support import vllm_support
 from runtime.hardware import vllm_ops
 
+
+pytestmark = pytest.mark.isa
+
 PROMPT = "What is the capital of France?"
 SCHEMES = ["W8A8", "w4g32-sym", "w4g64-asym"]
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",

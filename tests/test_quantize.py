@@ -13,7 +13,10 @@ from quant.qlinear import QuantizedLinear
 from quant.quantize import quantize_model
 from runtime.generate import Decoder
 from quantspec.cli import main as cli_main
-from test_cli_errors import assert_one_line_error, run_cli
+from test_cli_errors import assert_one_line_error, run_main
+
+
+pytestmark = pytest.mark.isa
 
 IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]
 
@@ -136,13 +139,13 @@ def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, args, needle):
 
 def test_cli_quantizes_and_refuses_existing_out(tiny_llama_dir, tmp_path):
     out, record = tmp_path / "out", tmp_path / "rec.json"
-    proc = run_cli("quantize", str(tiny_llama_dir), "--scheme", "w4g32-asym", "--out", str(out), "--json", str(record))
+    proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "w4g32-asym", "--out", str(out), "--json", str(record))
     assert proc.returncode == 0, proc.stderr
     assert "int4pack" in proc.stdout and "top-1 agreement" in proc.stdout
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
     assert json.loads(record.read_text())["results"]["report"]["kernels"] == {"int4pack": 14}
     before = (out / "model.safetensors").stat().st_mtime_ns
-    assert_one_line_error(run_cli("quantize", str(tiny_llama_dir), "--scheme", "w8ch-sym", "--out", str(out)),
+    assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "w8ch-sym", "--out", str(out)),
                           "--overwrite")
     assert (out / "model.safetensors").stat().st_mtime_ns == before
 

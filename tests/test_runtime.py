@@ -10,6 +10,9 @@ from runtime.generate import Decoder
 from runtime.sampling import SamplingConfig, logits_to_probs
 
 
+pytestmark = pytest.mark.isa
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
     return load_model(str(tiny_llama_dir))

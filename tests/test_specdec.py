@@ -23,6 +23,9 @@ from specdec.speculative import SpeculativeDecoder
 from specdec.theory import best_k, expected_tokens, operations_factor, walltime_speedup
 from specdec.verify import Verdict
 
+
+pytestmark = pytest.mark.isa
+
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
 
 

@@ -8,7 +8,7 @@ from runtime.generate import Decoder, encode_prompt
 from specdec.speculative import SpeculativeDecoder
 from test_specdec import one_thread  # noqa: F401  (autouse: one torch thread, restored afterwards)
 
-pytestmark = [pytest.mark.integration, pytest.mark.data]
+pytestmark = [pytest.mark.isa, pytest.mark.integration, pytest.mark.data]
 
 
 @pytest.mark.parametrize("dtype,n_prompts,new_tokens", [("fp32", 2, 48), ("bf16", 4, 160)])

@@ -6,9 +6,19 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import UserError
+from runtime.hardware import EXACT_ROWS
 from runtime.loading import LoadedModel
 from runtime.registry import Registry
 from runtime.sampling import SamplingConfig, logits_to_probs, sample_from
+
+MAX_K = EXACT_ROWS - 1  # a verification's rows (K + 1) stay where bf16 kernels are probed batch-invariant
+
+
+def check_k(k: int) -> int:
+    """``k`` if it is a valid number of draft tokens per step (the one K rule of every entry point)."""
+    if not 1 <= k <= MAX_K:
+        raise UserError(f"K (draft tokens per step) must be in 1..{MAX_K}, got {k}")
+    return k
 
 
 def draw(logits: torch.Tensor, sampling, generator, qs: list) -> int:
@@ -126,9 +136,7 @@ def parse_proposer_spec(text: "str | ProposerSpec | None") -> ProposerSpec | Non
         k = int(ks[-1][2:]) if ks else None
     except ValueError:
         raise UserError(f"proposer {text!r}: k must be an integer, e.g. ngram:k=4") from None
-    if k is not None and not 1 <= k <= 64:
-        raise UserError(f"proposer {text!r}: k must be in 1..64, got {k}")
-    return ProposerSpec(name, rest, k)
+    return ProposerSpec(name, rest, None if k is None else check_k(k))
 
 
 def check_proposer_spec(text: "str | ProposerSpec | None", model: str) -> None:
