@@ -74,11 +74,12 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
     sqlite_url, log = f"sqlite:///{tmp_path}/one.db", tmp_path / "measured.jsonl"
     demo = ("--evaluator", "real", "--space", "demo", "--floor", "0.9", "--limit", "20", "--prompts", "1",
             "--new-tokens", "16", "--threads", "1", "--n-trials", "4", "--noise-threshold", str(FEW_ROUNDS.threshold))
-    env = {"HF_HUB_OFFLINE": "1", "QUALITY_LOG": str(log)}
+    env = {"HF_HUB_OFFLINE": "1"}
     hang_guard_s = 1200  # not a speed target: on a 2-core AVX2-only CPU (bf16 emulated) one worker took 570 s
-    wait_ok(start_workers(tmp_path, ("search", *demo), sqlite_url, 1, env=env), timeout_s=hang_guard_s)
-    log.unlink()
-    wait_ok(start_workers(tmp_path, ("search", *demo), pg_url, 2, env=env), timeout_s=hang_guard_s)
+    # the single SQLite worker runs beside the two PostgreSQL workers (run first, it left a core idle)
+    one_worker = start_workers(tmp_path, ("search", *demo), sqlite_url, 1, env=env)
+    two_workers = start_workers(tmp_path, ("search", *demo), pg_url, 2, env={**env, "QUALITY_LOG": str(log)})
+    wait_ok(one_worker + two_workers, timeout_s=hang_guard_s)
     two = load(pg_url)
     assert len({t.user_attrs["worker"]["pid"] for t in two.trials}) == 2  # both workers ran trials
     stored = sorted(k.split("/", 1)[1] for k in two.user_attrs if k.startswith("quality/"))
