@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from studies.storage import (WORKER_ATTR, awaiting_trials, in_flight, open_stora
                              storage_url, worker_id)
 
 DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
+METRIC_NAMES = {"constrained": ["tok_s"], "pareto": ["tok_s", "quality"]}  # optuna-dashboard's axis names
 CONSTRAINT, EXACTNESS, LENGTH = "quality_floor", "exactness", "length_band"
 DEFAULT_LENGTH_BAND = (0.9, 1.1)
 REFERENCE_LENGTH_ATTR = "reference_length"
@@ -150,9 +152,22 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
     return study
 
 
+def flat_attrs(quality: QualityResult, speed: SpeedResult) -> dict[str, float | bool]:
+    """A trial's headline numbers as flat user attributes (optuna-dashboard charts and filters these; the nested
+    ``quality`` and ``speed`` attributes keep everything); unmeasured ones are left out."""
+    ci = speed.speedup_ci or (None, None)
+    values = {"tok_s": speed.tok_s, "speedup": speed.speedup, "speedup_ci_low": ci[0], "speedup_ci_high": ci[1],
+              "noisy": speed.noisy, "alpha": speed.alpha, "tau": speed.tau, "accuracy": quality.accuracy,
+              "delta": quality.delta, "kl": quality.kl, "passes_floor": quality.passes}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def store_settings(study: optuna.Study, space: SearchSpace, floor: str, mode: str) -> None:
     """A new study's mode, space and reference trial (enqueued first), then its floor, which marks it complete."""
     study.set_user_attr("mode", mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(METRIC_NAMES[mode])
     study.set_user_attr("space", space.to_dict())
     study.set_user_attr("reference", space.reference().to_dict())
     study.enqueue_trial(SearchSpace.params_of(space.reference()), user_attrs={"reference": True}, skip_if_exists=True)
@@ -255,7 +270,7 @@ class TrialRunner:
             raise
         trial.set_user_attr("quality", quality.to_dict() | {"record": None})
         trial.set_user_attr("speed", speed.to_dict() | {"record": None})
-        for name, value in (("speedup", speed.speedup), ("noisy", speed.noisy)):  # flat: filterable, chartable
+        for name, value in flat_attrs(quality, speed).items():
             trial.set_user_attr(name, value)
         trial.set_user_attr("record", speed.record)
         trial.set_constraint(CONSTRAINT, self.floor - quality.value)

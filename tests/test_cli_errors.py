@@ -90,6 +90,13 @@ def test_generate_on_tiny_model(tiny_llama_dir):
     assert "decode" in proc.stdout and "tok/s" in proc.stdout
 
 
+def test_version():
+    from importlib.metadata import version
+
+    proc = run_main("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"quantspec {version('quantspec')} (torch ")
+
+
 def test_model_info_on_tiny_model(tiny_llama_dir):
     proc = run_main("model", "info", str(tiny_llama_dir))
     assert proc.returncode == 0, proc.stderr

@@ -329,6 +329,12 @@ def test_pareto_mode_table_and_exports(tmp_path, tiny_llama_dir):
     outcome = run_search(settings(tmp_path, space, mode="pareto", sampler="nsga2", n_trials=14), ToyEvaluator())
     study = outcome.study
     assert study.directions == [optuna.study.StudyDirection.MAXIMIZE] * 2
+    assert study.metric_names == ["tok_s", "quality"]  # optuna-dashboard names the axes
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    for t in done:  # headline numbers flat (chartable), equal to the nested ones; unmeasured ones absent
+        assert t.user_attrs["tok_s"] == t.values[0] == t.user_attrs["speed"]["tok_s"]
+        assert t.user_attrs["accuracy"] == t.user_attrs["quality"]["accuracy"] and "speedup" not in t.user_attrs
+        assert ("tau" in t.user_attrs) == (t.user_attrs["config"]["proposer"] != "none")
     summary = summarize(study)
     front = {t.number for t in study.best_trials}
     assert front and {r.number for r in summary.measured if r.pareto} == front & {r.number for r in summary.measured}

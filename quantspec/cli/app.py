@@ -7,6 +7,24 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="quantspec: quantize, speculate, and score speed per effective token against quality. "
                        "Extensions: QUANTSPEC_PLUGINS=mod1,mod2 or --plugin MOD (before the command) imports "
                        "modules that register methods, proposers, backends.")
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        import torch
+
+        typer.echo(f"quantspec {version('quantspec')} (torch {torch.__version__})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")) -> None:
+    """Options before any command."""
+
+
 model_app = typer.Typer(no_args_is_help=True, help="Fetch and inspect models.")
 app.add_typer(model_app, name="model")
 
