@@ -81,6 +81,8 @@ class FloorResult:
     confidence: float
     passed: bool
     method: str = "score interval of the margin; bootstrap interval of Δ"
+    decidable: bool = True  # the best outcome here (``best_outcome``) would pass at these items
+    items_to_decide: int | None = None  # when not: about how many such items would let it pass (None: > 100x n)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -164,6 +166,30 @@ def margin_cells(test: np.ndarray, ref: np.ndarray, weight: float, offset: float
     return counts.astype(float), values
 
 
+# how many copies of the items to try when the best outcome cannot pass at the items there are
+_SCALES = np.array([1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100])
+
+
+def best_outcome(ref: np.ndarray, floor: Floor) -> np.ndarray:
+    """The best per-item scores a configuration that does not beat the reference can show: the reference's own
+    (relative floor), every item right (absolute floor)."""
+    return ref if floor.relative else np.ones_like(ref)
+
+
+def items_to_decide(ref: np.ndarray, floor: Floor, confidence: float) -> int | None:
+    """None when ``best_outcome`` passes at these items; else about how many items (the same mix, repeated)
+    would let it pass, or 0 when even 100 times as many would not (e.g. a relative floor of 1.0)."""
+    weight, offset = (floor.value, 0.0) if floor.relative else (0.0, floor.value)
+    best = best_outcome(ref, floor)
+    counts, values = margin_cells(best, ref, weight, offset)
+    lo, _ = score_interval(counts[None] * _SCALES[:, None], values, confidence)
+    margin = float((best - weight * ref - offset).mean())
+    passes = np.minimum(lo, margin) >= 0
+    if passes[0]:
+        return None
+    return int(_SCALES[passes.argmax()] * len(ref)) if passes.any() else 0
+
+
 def check_floor(test, ref, floor: Floor, confidence: float = 0.95, n_boot: int = 10_000, seed: int = 0,
                 identical: bool = False) -> FloorResult:
     """Paired per-item comparison of a configuration against the reference; see the module docstring.
@@ -182,6 +208,9 @@ def check_floor(test, ref, floor: Floor, confidence: float = 0.95, n_boot: int =
         counts, values = margin_cells(test, ref, weight, offset)
         lo, hi = score_interval(counts[None], values, confidence)
         margin_ci = (min(float(lo[0]), margin), max(float(hi[0]), margin))
+    passed = margin_ci[0] >= 0
+    needed = None if passed else items_to_decide(ref, floor, confidence)
     return FloorResult(n=len(test), acc_test=float(test.mean()), acc_ref=float(ref.mean()), delta=delta,
                        delta_ci=delta_ci, margin=margin, margin_ci=margin_ci, flips=count_flips(test, ref),
-                       floor=floor.label, confidence=confidence, passed=margin_ci[0] >= 0)
+                       floor=floor.label, confidence=confidence, passed=passed, decidable=needed is None,
+                       items_to_decide=needed or None)

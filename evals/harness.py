@@ -150,7 +150,7 @@ class EvalReport:
     reference: dict[str, TaskResult]
     comparison: dict[str, FloorResult]  # per task: Δ with CI, flips, floor verdict
     fidelity: FidelityStats | None
-    verdict: str  # "pass" | "fail" | "no floor"
+    verdict: str  # "pass" | "fail" | "undecidable" (no outcome short of beating the reference passes here) | "no floor"
     record: RunRecord
     notes: list[str] = field(default_factory=list)
 
@@ -315,11 +315,13 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
     if floor.relative:
         if any(t not in comparison for t in scored):
             raise UserError("a relative floor needs the reference: drop --no-reference or use abs:<accuracy>")
-        passed = [comparison[t].passed for t in scored]
+        results = [comparison[t] for t in scored]
     else:
-        passed = [check_floor(list(tests[t].items.values()), [0.0] * len(tests[t].items), floor, config.confidence,
-                              seed=config.seed).passed for t in scored]
-    return "pass" if all(passed) else "fail"
+        results = [check_floor(list(tests[t].items.values()), [0.0] * len(tests[t].items), floor, config.confidence,
+                               seed=config.seed) for t in scored]
+    if all(r.passed for r in results):
+        return "pass"
+    return "fail" if any(r.decidable for r in results if not r.passed) else "undecidable"
 
 
 def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:

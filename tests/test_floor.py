@@ -140,3 +140,20 @@ def test_floor_parse():
     assert Floor.parse("0.99") == Floor(0.99, True)
     assert Floor.parse("abs:0.4") == Floor(0.4, False)
     assert Floor.parse(None) is None
+
+
+def test_undecidable_when_even_the_references_answers_could_not_pass():
+    """At few items a relative floor cannot be passed by answers equal to the reference's (the score interval
+    is conservative without losses): the result says so and how many items would decide it, which then do
+    (negative control: at that many items the same answers pass). A floor of 1.0 never decides that way."""
+    ref = (np.random.default_rng(0).random(20) < 0.6).astype(float)
+    few = check_floor(ref, ref, Floor(0.98))
+    assert not few.passed and not few.decidable and few.items_to_decide > 20
+    copies = -(-few.items_to_decide // 20)
+    enough = check_floor(np.tile(ref, copies), np.tile(ref, copies), Floor(0.98))
+    assert enough.passed and enough.decidable and enough.items_to_decide is None
+    worse = ref.copy()
+    worse[ref == 1] = 0  # every right answer lost: a decided fail
+    assert check_floor(np.tile(worse, 5), np.tile(ref, 5), Floor(0.9)).decidable
+    never = check_floor(ref, ref, Floor(1.0))
+    assert not never.decidable and never.items_to_decide is None
