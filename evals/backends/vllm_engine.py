@@ -12,11 +12,13 @@ outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over th
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
+from evals.build import quantize
 from evals.config import Config
 from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
                                  SpecCounters, check_fits, now, register_backend)
@@ -28,7 +30,6 @@ from runtime.model_store import resolve_model, weights_hash
 from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
 from runtime.loading import load_model, load_tokenizer
 from runtime.hardware import probe, quantspec_home
-from quant.quantize import quantize_model
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -118,17 +119,19 @@ def check_scheme(config: "Config | ServingConfig") -> str:
 
 
 def exported_checkpoint(config: ServingConfig) -> Path:
-    """The compressed-tensors export of (model weights, scheme, method), made once and cached.
+    """The compressed-tensors export of the point's weights transformation, made once and cached under all that
+    changes the weights (scheme, method, calibration set, SmoothQuant, observer: ``Config.method_key``).
 
-    The model is quantized from its bf16 weights, exactly as the native backend does, so both backends
-    serve the same integer weights."""
-    scheme = config.config.scheme
-    source = resolve_model(config.model)
-    target = quantspec_home() / "exports" / f"{weights_hash(source)}-{scheme.label}-{config.method}"
+    The one builder quantizes it (``evals.build.quantize``) from the model's bf16 weights, exactly as the native
+    backend does, so both backends serve the same integer weights."""
+    point = config.config
+    source = resolve_model(point.model)
+    weights = hashlib.sha1(point.method_key.encode()).hexdigest()[:10]
+    target = quantspec_home() / "exports" / f"{weights_hash(source)}-{point.scheme.label}-{point.method}-{weights}"
     if (target / "config.json").exists():
         return target
     lm = load_model(source, "bf16")
-    report = quantize_model(lm, scheme, config.method, progress=False)
+    report = quantize(lm, point)
     from quant.checkpoint import save_compressed  # compressed-tensors: imported only when exporting
 
     return save_compressed(lm, report, target)
