@@ -8,6 +8,7 @@ disk -> paired bootstrap floor and flips per task -> KL / top-1 agreement / perp
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,11 +21,10 @@ from evals.floor import Floor, FloorResult, check_floor
 from evals.vllm_shim import lm_eval_vllm
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from evals.build import build_native, model_weights_hash
+from evals.build import Built, build_native, model_weights_hash
 from evals.config import NONE, Config
 from runtime.errors import UserError
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model
-from runtime.loading import load_model
 from runtime.registry import Registry
 from quant.vllm_support import vllm_kv_cache_dtype
 
@@ -205,11 +205,18 @@ def task_manager(tasks: tuple[str, ...], data_dir: Path | None, include_path: tu
 # --------------------------------------------------------------------------------------------- backends
 
 
+@functools.lru_cache(maxsize=2)
+def _built(point: Config, progress: bool = False) -> Built:
+    """One build per configuration point (the test one and its reference) within an ``evaluate`` call: scoring
+    and fidelity share it; ``evaluate`` clears this when it returns."""
+    return build_native(point, progress=progress)
+
+
 @register_lm_factory("native")
 def native_lm(config: EvalConfig):
     from evals.lm_native import NativeLM  # imports lm-eval
 
-    built = build_native(config.config, progress=config.progress)
+    built = _built(config.config, config.progress)
     return NativeLM(loaded=built.lm, cache_factory=built.cache_factory)
 
 
@@ -325,8 +332,8 @@ def _verdict(config: EvalConfig, tests: dict[str, TaskResult], comparison: dict[
 
 
 def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
-    ref = load_model(config.reference_model or config.model, config.dtype)
-    test = build_native(config.config, progress=config.progress)
+    ref = _built(config.reference_config().config, config.progress).lm
+    test = _built(config.config, config.progress)
     ctx = min(config.fidelity_ctx, ref.model.args.max_seq_len)
     return wikitext_fidelity(ref, test.lm, data_dir, ctx, config.fidelity_windows,
                              test_cache_factory=test.cache_factory)
@@ -348,6 +355,13 @@ def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str)
 
 def evaluate(config: EvalConfig, lm_factory: Callable | None = None) -> EvalReport:
     """Score ``config`` (and its unquantized reference) on ``config.tasks``; see the module docstring."""
+    try:
+        return _evaluate(config, lm_factory)
+    finally:
+        _built.cache_clear()  # the models are not kept past the call
+
+
+def _evaluate(config: EvalConfig, lm_factory: Callable | None) -> EvalReport:
     data_dir = find_data_dir(config.data_dir, required=False)
     manager = task_manager(config.tasks, data_dir, config.include_path)
     path = resolve_model(config.model)

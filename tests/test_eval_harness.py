@@ -4,6 +4,7 @@ import json
 import pytest
 
 from evals.floor import Floor, check_floor
+from evals.build import build_native
 from evals.harness import EvalConfig, evaluate
 from runtime.errors import UserError
 
@@ -22,10 +23,13 @@ def _boom(config):
     raise AssertionError("cache hit must not build the model")
 
 
-def test_quantized_eval_reports_and_caches(home, tiny_llama_dir):
+def test_quantized_eval_reports_and_caches(home, tiny_llama_dir, monkeypatch):
     config = EvalConfig(model=str(tiny_llama_dir), scheme="w4g32-sym", tasks=("arc_easy", "piqa"), limit=6,
                         floor="0.5", fidelity_windows=1, fidelity_ctx=64)
+    builds = []
+    monkeypatch.setattr("evals.harness.build_native", lambda point, **kw: builds.append(point) or build_native(point, **kw))
     first = evaluate(config)
+    assert builds == [config.config, config.reference_config().config]  # one build each: scoring and fidelity share it
     assert set(first.tasks) == {"arc_easy", "piqa"} and all(r.n == 6 for r in first.tasks.values())
     for task, comp in first.comparison.items():
         t, r = first.tasks[task], first.reference[task]
