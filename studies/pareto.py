@@ -63,6 +63,7 @@ class StudySummary:
     rows: list[Row]  # every trial
     notes: dict[str, str] = field(default_factory=dict)  # marker -> caveat
     length_band: list | None = None  # the output-length gate (None: off)
+    conditions: str | None = None  # model, dtype, quality task and hardware, from the reference trial's records
 
     @property
     def measured(self) -> list[Row]:
@@ -78,7 +79,7 @@ class StudySummary:
 
     def to_dict(self) -> dict:
         return {"study": self.name, "mode": self.mode, "floor": self.floor, "floor_value": self.floor_value,
-                "reference": self.reference, "length_band": self.length_band or "off",
+                "reference": self.reference, "length_band": self.length_band or "off", "conditions": self.conditions,
                 "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
 
 
@@ -156,9 +157,22 @@ def summarize(study: optuna.Study) -> StudySummary:
         if r.state == "FAIL" and not r.reason and r.number in requeued:
             r.reason = f"its worker died (killed or heartbeat lost); re-queued as #{requeued[r.number]}"
     mark_front(summary.measured)
+    summary.conditions = _conditions(next((t for t in trials if t.user_attrs.get("config") == reference
+                                           and t.user_attrs.get("record")), None))
     if any("q4_1" in r.notes for r in rows):
         summary.notes["q4_1"] = f"{Q4_1_SCHEME} on the default model: {SMOLLM2.note}"
     return summary
+
+
+def _conditions(trial: optuna.trial.FrozenTrial | None) -> str | None:
+    """One line of the conditions every row shares: model, dtype, quality task, CPU and ISA, from the reference
+    trial's run record (None without one)."""
+    record = trial.user_attrs["record"] if trial else {}
+    if "model" not in record:
+        return None
+    hardware, quality = record.get("hardware", {}), trial.user_attrs.get("quality") or {}
+    return (f"model {record['model']['model_id']}, {record['engine']['config'].get('dtype', '?')}, quality on "
+            f"{quality.get('task') or '?'}, {hardware.get('cpu', '?')} ({hardware.get('isa', '?')})")
 
 
 def _speed_interval(r: Row) -> Interval:
@@ -339,7 +353,8 @@ def write_png(summary: StudySummary, path: str | Path) -> Path:
     ax.axvline(1.0, ls=":", c="grey", lw=1)
     ax.set_xlabel("speedup over the reference (effective tok/s, paired; bars: 95% CI)")
     ax.set_ylabel("quality (>= floor passes the paired floor verdict)")
-    ax.set_title(f"{summary.name}: speed vs quality (hollow = noisy speed)")
+    ax.set_title(f"{summary.name}: speed vs quality (hollow = noisy speed)"
+                 + (f"\n{summary.conditions}" if summary.conditions else ""), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)

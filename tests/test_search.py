@@ -330,6 +330,7 @@ def test_pareto_mode_table_and_exports(tmp_path, tiny_llama_dir):
     study = outcome.study
     assert study.directions == [optuna.study.StudyDirection.MAXIMIZE] * 2
     assert study.metric_names == ["tok_s", "quality"]  # optuna-dashboard names the axes
+    assert summarize(study).conditions is None  # the toy evaluator's records name no model or hardware
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     for t in done:  # headline numbers flat (chartable), equal to the nested ones; unmeasured ones absent
         assert t.user_attrs["tok_s"] == t.values[0] == t.user_attrs["speed"]["tok_s"]
