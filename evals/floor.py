@@ -181,9 +181,11 @@ def items_to_decide(ref: np.ndarray, floor: Floor, confidence: float) -> int | N
     would let it pass, or 0 when even 100 times as many would not (e.g. a relative floor of 1.0)."""
     weight, offset = (floor.value, 0.0) if floor.relative else (0.0, floor.value)
     best = best_outcome(ref, floor)
+    margin = float((best - weight * ref - offset).mean())
+    if margin <= 0:  # the lower bound never exceeds the mean: no number of items lets it pass
+        return 0
     counts, values = margin_cells(best, ref, weight, offset)
     lo, _ = score_interval(counts[None] * _SCALES[:, None], values, confidence)
-    margin = float((best - weight * ref - offset).mean())
     passes = np.minimum(lo, margin) >= 0
     if passes[0]:
         return None
