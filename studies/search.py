@@ -36,6 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -113,8 +114,10 @@ def study_quality_key(config: TrialConfig) -> str:
     return key if config.backend == "native" else f"{key}|backend={config.backend}|dtype={config.dtype}"
 
 
-def open_study(settings: SearchSettings, default_floor: str | None = None) -> optuna.Study:
-    """Create or load the study; its floor, mode and space are stored as study user attrs on creation."""
+def open_study(settings: SearchSettings, default_floor: str | None = None,
+               on_wait: Callable[[str], None] | None = None) -> optuna.Study:
+    """Create or load the study; its floor, mode and space are stored as study user attrs on creation.
+    ``on_wait`` hears, once, that this worker waits for the study's creator (``_wait_for_creator``)."""
     storage = open_storage(storage_url(settings.storage, settings.study_dir), heartbeat_s=settings.heartbeat_s,
                            grace_s=settings.grace_s)
     names = optuna.get_all_study_names(storage)
@@ -130,7 +133,7 @@ def open_study(settings: SearchSettings, default_floor: str | None = None) -> op
     sampler = PerTrialSeed(settings.sampler, settings.seed)
     if name in names:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-        _wait_for_creator(study)
+        _wait_for_creator(study, on_wait)
         _check_stored(study, settings)
         return study
     if not settings.create:
@@ -174,11 +177,13 @@ def store_settings(study: optuna.Study, space: SearchSpace, floor: str, mode: st
     study.set_user_attr("floor", floor)
 
 
-def _wait_for_creator(study: optuna.Study) -> None:
+def _wait_for_creator(study: optuna.Study, on_wait: Callable[[str], None] | None = None) -> None:
     """A worker that finds the study before its creator has stored the settings waits for them: joining early, it
     would sample before the reference trial is enqueued, and without the stored mode return values that Optuna
     fails silently after they were measured."""
     deadline = time.monotonic() + CREATION_WAIT_S
+    if on_wait is not None and "floor" not in study.user_attrs:
+        on_wait(f"study {study.study_name!r} has no settings yet: waiting up to {CREATION_WAIT_S} s for its creator")
     while "floor" not in study.user_attrs:
         if time.monotonic() > deadline:
             raise UserError(f"study {study.study_name!r} has no stored floor after {CREATION_WAIT_S} s: it was not "
@@ -425,13 +430,15 @@ class SearchOutcome:
     ran: int = 0  # trials this worker ran
 
 
-def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=None) -> SearchOutcome:
-    """Run (or resume, or join) a study until it holds ``n_trials`` finished trials."""
+def run_search(settings: SearchSettings, evaluator: TrialEvaluator, on_trial=None,
+               on_wait: Callable[[str], None] | None = None) -> SearchOutcome:
+    """Run (or resume, or join) a study until it holds ``n_trials`` finished trials (``on_wait``: see
+    ``open_study``)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # outcomes and errors are user attrs shown by our table
     if settings.floor is not None:
         settings.floor = str(settings.floor)
         evaluator.floor_value(settings.floor)  # out of range: UserError before any study is touched
-    study = open_study(settings, evaluator.default_floor)
+    study = open_study(settings, evaluator.default_floor, on_wait)
     _check_evaluator(study, evaluator, settings.floor)
     if "length_band" in study.user_attrs:  # the stored band wins, like the floor: all workers gate alike
         stored = study.user_attrs["length_band"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import sqlite3
@@ -515,6 +516,16 @@ def test_kill9_then_resume_loses_no_finished_trial(tmp_path, tiny_llama_dir):
     assert "tok/s" in resumed.stdout  # the final table
 
 
+def wait_for_output(proc: subprocess.Popen, needle: str, timeout_s: float = 120) -> None:
+    """Read ``proc``'s stdout (its file descriptor, so ``communicate`` still gets the rest) until it holds
+    ``needle``: a wait on a condition, not a sleep."""
+    seen, deadline = b"", time.monotonic() + timeout_s
+    while needle.encode() not in seen:
+        assert time.monotonic() < deadline and proc.poll() is None, f"no {needle!r} from the worker: {seen[-2000:]!r}"
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            seen += os.read(proc.stdout.fileno(), 65536)
+
+
 def test_a_worker_joining_before_its_creator_stored_the_settings_waits(tmp_path, tiny_llama_dir):
     """A worker that finds the study while its creator is still storing the settings waits for them. Before, it
     sampled at once (trial 0 before the reference) and, without the stored mode, returned two values to a
@@ -525,7 +536,7 @@ def test_a_worker_joining_before_its_creator_stored_the_settings_waits(tmp_path,
     url = f"sqlite:///{tmp_path}/study.db"
     study = optuna.create_study(study_name="s", storage=open_storage(url))  # its creator has stored nothing yet
     proc = cli(tmp_path, tiny_llama_dir, "--storage", url, "--study-name", "s", "--n-trials", "3", popen=True)
-    time.sleep(10)  # the worker has started and found the study
+    wait_for_output(proc, "waiting up to")  # the worker found the study and says it waits
     assert proc.poll() is None and not load(url).get_trials()  # waiting, nothing sampled
     store_settings(study, toy_space(tiny_llama_dir), "0.98", "constrained")
     out, err = proc.communicate(timeout=240)

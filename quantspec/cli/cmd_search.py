@@ -59,7 +59,7 @@ def search_with_progress(settings: SearchSettings, evaluator, console: Console):
             bar.update(task, completed=len(finished_trials(study)),
                        description=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
 
-        return run_search(settings, evaluator, on_trial=on_trial)
+        return run_search(settings, evaluator, on_trial=on_trial, on_wait=bar.console.print)
 
 
 def report(summary: StudySummary, console: Console, csv: str | None, png: str | None, json_out: str | None) -> None:
