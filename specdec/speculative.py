@@ -16,6 +16,7 @@ from specdec.proposers.base import check_k
 from runtime.sampling import SamplingConfig, next_token
 from specdec.verify import verify
 
+
 def variant_kernels(model: torch.nn.Module) -> dict[str, str]:
     """Linear kernels whose rows depend on the batch here (probed): layer name -> kernel."""
     return {name: m.kernel_detail for name, m in model.named_modules()

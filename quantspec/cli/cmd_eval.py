@@ -47,12 +47,12 @@ def print_report(report: EvalReport) -> None:
     colour = {"pass": "green", "fail": "red"}.get(report.verdict, "yellow")
     floor = report.record.metric.correctness
     console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
-    for task, c in report.comparison.items() if report.verdict == "undecidable" else ():
-        if not c.decidable:
-            more = f"about {c.items_to_decide} items (--limit) would decide it" if c.items_to_decide else \
-                "no number of items decides it: only a configuration beating the reference could pass"
-            console.print(f"  {task}: at n={c.n} even answers equal to the reference's on every item could not "
-                          f"pass {c.floor}; {more}")
+    undecided = report.comparison if report.verdict == "undecidable" else {}
+    for task, c in ((t, c) for t, c in undecided.items() if not c.decidable):
+        more = f"about {c.items_to_decide} items (--limit) would decide it" if c.items_to_decide else \
+            "no number of items decides it: only a configuration beating the reference could pass"
+        console.print(f"  {task}: at n={c.n} even answers equal to the reference's on every item could not "
+                      f"pass {c.floor}; {more}")
     four_bit = caveat_applies(report.record.to_dict())
     for note in report.notes:
         if four_bit or not note.startswith("default model:"):  # the Q4_1 note only beside 4-bit results
