@@ -65,7 +65,7 @@ def main() -> None:
                       f"{r['kl_p99']:.3f}", f"{100 * r['top1_agreement']:.1f}", f"{r['ppl']:.2f}", r["verdict"])
     console.print(table)
     console.print(f"[yellow]note:[/] {SMOLLM2.note}")
-    base = RunRecord.from_dict(records[0]["run_record"])
+    base = RunRecord.from_dict(records[0]["quantspec"]["run_record"])
     base.name = "eval schemes: accuracy, flips, KL per weight scheme"
     base.model.scheme = args.configs
     base.engine.config["threads"] = args.threads

@@ -685,7 +685,8 @@ def render_page(results: Path) -> str:
             if FOUR_BIT.search(NOTE.sub("", text)):  # 4-bit results here, not just the model's note
                 sec.append(Q4_1_CAVEAT)
             sec.append(b.render(d))
-            cond = conditions(d.get("run_record", d))  # a record at the top, or beside the results (eval --json)
+            # a record at the top, beside the results (compare-backends), or in an lm-eval file's quantspec (eval --json)
+            cond = conditions(d.get("run_record") or (d.get("quantspec") or {}).get("run_record") or d)
             if cond:
                 sec.append(cond)
             out.append("\n\n".join(sec))

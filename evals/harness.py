@@ -8,8 +8,13 @@ disk -> paired bootstrap floor and flips per task -> KL / top-1 agreement / perp
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
+import re
+from datetime import datetime
+from importlib import metadata
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -86,7 +91,7 @@ class EvalConfig:
         if self.limit is not None and self.limit <= 0:
             raise UserError(f"--limit must be >= 1, got {self.limit}")
         if self.fewshot < 0:
-            raise UserError(f"--fewshot must be >= 0, got {self.fewshot}")
+            raise UserError(f"--num-fewshot must be >= 0, got {self.fewshot}")
         LM_FACTORIES.get(self.backend)
         if not 0 < self.confidence < 1:
             raise UserError(f"--confidence must be in (0, 1), got {self.confidence}")
@@ -138,6 +143,9 @@ class TaskResult:
     cached: bool = False
     output_type: str | None = None  # lm-eval's: multiple_choice, loglikelihood, generate_until, ...
     answers: dict = field(default_factory=dict)  # doc_id -> what the model answered (``ANSWERS``)
+    # lm-eval's per-task entries of its results file (``TASK_INFO``): config (task.dump_config()), version,
+    # n_shot, higher_is_better, n_original (docs in the split); {} where lm-eval could not load the task
+    task_info: dict = field(default_factory=dict)
 
     def value(self, metric: str) -> tuple[float | None, float | None]:
         return self.metrics.get(f"{metric},none"), self.metrics.get(f"{metric}_stderr,none")
@@ -159,20 +167,72 @@ class EvalReport:
         return self.verdict == "pass"
 
     def to_json(self) -> dict:
-        """lm-eval's results layout (results / n-samples) plus ``quantspec`` fields and the run record."""
+        """An lm-eval results file, as ``lm_eval --output_path`` writes it for these tasks (``make_table``
+        renders it): results, group_subtasks, configs, versions, n-shot, higher_is_better, n-samples, config,
+        date and library versions; quantspec's fields (its config, comparison, fidelity, verdict, notes, the
+        reference's results, the run record) under the one key ``quantspec``."""
+        info = {t: r.task_info for t, r in self.tasks.items()}
+        cfg = self.config
         return {
-            "results": {t: r.metrics for t, r in self.tasks.items()},
-            "n-samples": {t: {"effective": r.n} for t, r in self.tasks.items()},
-            "reference_results": {t: r.metrics for t, r in self.reference.items()},
+            "results": {t: {"name": t, "alias": info[t].get("config", {}).get("task_alias", t), **r.metrics}
+                        for t, r in self.tasks.items()},
+            "group_subtasks": {},  # quantspec scores leaf tasks (lm-eval lists groups only)
+            "configs": {t: info[t].get("config", {}) for t in sorted(info)},
+            "versions": {t: info[t].get("version") for t in sorted(info)},
+            "n-shot": {t: info[t].get("n_shot", cfg.get("fewshot", 0)) for t in sorted(info)},
+            "higher_is_better": {t: info[t].get("higher_is_better", {}) for t in sorted(info)},
+            "n-samples": {t: {"original": info[t].get("n_original"), "effective": r.n} for t, r in self.tasks.items()},
+            "config": {"model": f"quantspec-{cfg.get('backend')}", "model_args": {
+                           k: cfg.get(k) for k in ("model", "scheme", "method", "kv", "dtype", "calib")},
+                       "batch_size": None, "batch_sizes": [], "device": None, "use_cache": None,
+                       "limit": cfg.get("limit"), "bootstrap_iters": LM_EVAL_BOOTSTRAP_ITERS, "gen_kwargs": None,
+                       "random_seed": cfg.get("seed"), "numpy_seed": cfg.get("seed"), "torch_seed": cfg.get("seed"),
+                       "fewshot_seed": cfg.get("seed")},
+            "date": _timestamp(self.record.created),
+            "model_source": f"quantspec-{cfg.get('backend')}",
+            "model_name": str(cfg.get("model")),
+            "model_name_sanitized": re.sub(r"[\"<>:/|\\?*\[\]]+", "__", str(cfg.get("model"))),
+            "lm_eval_version": _version("lm-eval"),
+            "transformers_version": _version("transformers"),
             "quantspec": {
-                "config": self.config,
+                "config": cfg,
                 "comparison": {t: c.to_dict() for t, c in self.comparison.items()},
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None,
                 "verdict": self.verdict,
                 "notes": self.notes,
+                "reference_results": {t: r.metrics for t, r in self.reference.items()},
+                "run_record": self.record.to_dict(),
             },
-            "run_record": self.record.to_dict(),
         }
+
+
+LM_EVAL_BOOTSTRAP_ITERS = 100_000  # lm-eval's default, which run_lm_eval keeps
+# the per-task entries of lm-eval's results file kept in TaskResult.task_info: (our key, lm-eval's key)
+TASK_INFO = (("config", "configs"), ("version", "versions"), ("n_shot", "n-shot"),
+             ("higher_is_better", "higher_is_better"))
+
+
+def _timestamp(created: str) -> float | None:
+    """lm-eval's ``date`` (UNIX time) from the run record's ``created``."""
+    try:
+        return datetime.strptime(created, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _jsonable(value):
+    """What lm-eval's results file holds for ``value`` (its ``handle_non_serializable``: functions as source,
+    numpy numbers as numbers, sets as lists)."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.loads(json.dumps(value, default=handle_non_serializable))
 
 
 # ------------------------------------------------------------------------------------------------ tasks
@@ -257,10 +317,32 @@ def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int =
     import lm_eval
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=fewshot or None, limit=limit,
-                                   task_manager=manager, log_samples=True, random_seed=seed,
-                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                   verbosity="ERROR")
+    with quiet_lm_eval():
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=fewshot or None, limit=limit,
+                                       task_manager=manager, log_samples=True, random_seed=seed,
+                                       numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                       verbosity="ERROR")
+
+
+@contextlib.contextmanager
+def quiet_lm_eval():
+    """lm-eval without its tqdm bars (request building, tokenizing: our rich bar shows the scoring) and without
+    git's "fatal: not a git repository" on stderr when run outside a clone (its results file keeps the hash)."""
+    import subprocess
+    from unittest import mock
+
+    from tqdm import tqdm
+
+    def silent_bar(*args, **kwargs):
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    def git_hash() -> str | None:
+        proc = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True)
+        return proc.stdout.strip() or None
+
+    with mock.patch("lm_eval.api.model.tqdm", silent_bar), mock.patch("lm_eval.api.task.tqdm", silent_bar), \
+            mock.patch("lm_eval.evaluator.get_git_commit_hash", git_hash):
+        yield
 
 
 def _method_key(config: EvalConfig) -> str:
@@ -288,11 +370,43 @@ def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None)
             metrics = {k: v for k, v in res["results"][task].items() if k != "alias"}
             samples = res["samples"][task]
             output_type = res["configs"][task].get("output_type")
+            info = {ours: res[theirs][task] for ours, theirs in TASK_INFO}
+            info["n_original"] = res["n-samples"][task]["original"]
             result = TaskResult(task, metrics, len(samples), _items(samples, config.metric),
-                                output_type=output_type, answers=_answers(samples, output_type))
+                                output_type=output_type, answers=_answers(samples, output_type),
+                                task_info=_jsonable(info))
             cache.store(keys[task], asdict(result))
             out[task] = result
+    older = [t for t in config.tasks if out[t].cached and not out[t].task_info]
+    if older:  # cached before task_info was stored: lm-eval's task objects give it, the entry keeps it
+        for task, info in task_info(manager, older, config.fewshot, config.seed).items():
+            out[task].task_info = info
+            if info:
+                cache.store(keys[task], {**asdict(out[task]), "cached": False})
     return {t: out[t] for t in config.tasks}
+
+
+def task_info(manager, tasks: list[str], fewshot: int = 0, seed: int = 0) -> dict[str, dict]:
+    """``TaskResult.task_info`` of ``tasks`` from lm-eval's task objects (no model), configured as
+    ``simple_evaluate`` configures them (num_fewshot, fewshot seed); a task lm-eval cannot load (e.g. an upstream
+    dataset offline) gets {} and a results file with its version and config left empty."""
+    out = {}
+    for name in tasks:
+        try:
+            task = manager.load([name])["tasks"][name]
+        except Exception:  # noqa: BLE001 - the scores are cached; only the metadata is missing
+            out[name] = {}
+            continue
+        default = task.get_config("num_fewshot")
+        if fewshot and default != 0:
+            task.set_config(key="num_fewshot", value=fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=seed)
+        config = dict(task.dump_config())
+        out[name] = _jsonable({"config": config, "version": task.VERSION, "n_shot": config.get("num_fewshot", 0),
+                               "higher_is_better": task.higher_is_better(), "n_original": len(task.eval_docs)})
+    return out
 
 
 def _paired(test: TaskResult, ref: TaskResult) -> tuple[list[float], list[float]]:

@@ -27,11 +27,11 @@ class LoadSpec:
 
     def __post_init__(self):
         if self.kind not in ("closed", "open"):
-            raise UserError(f"unknown load kind {self.kind!r}: use closed (--concurrency) or open (--rate)")
+            raise UserError(f"unknown load kind {self.kind!r}: use closed (--max-concurrency) or open (--request-rate)")
         if self.kind == "closed" and self.concurrency < 1:
-            raise UserError(f"--concurrency must be >= 1, got {self.concurrency}")
+            raise UserError(f"--max-concurrency must be >= 1, got {self.concurrency}")
         if self.kind == "open" and (self.rate is None or self.rate <= 0):
-            raise UserError(f"--rate must be > 0 requests/s, got {self.rate}")
+            raise UserError(f"--request-rate must be > 0 requests/s, got {self.rate}")
         if self.burstiness <= 0:
             raise UserError(f"--burstiness must be > 0 (1 = Poisson), got {self.burstiness}")
 

@@ -84,7 +84,7 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     weight_method = get_method(method)
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not overwrite:
-        raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --out")
+        raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --output-dir")
     name = model if isinstance(model, str) else str(model.path)
     lm = load_model(model, dtype) if isinstance(model, str) else model
     plan_layers(lm, parsed)  # refuse bad group sizes / nothing to quantize before any model work

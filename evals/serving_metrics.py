@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from evals.backends.base import RequestResult, SpecCounters
+from runtime.errors import UserError
 from specdec.metrics import AcceptanceStats
 
 PERCENTILES = (50, 90, 99)
@@ -40,8 +41,29 @@ METRIC_DEFINITIONS = {
 
 @dataclass(frozen=True)
 class SLO:
+    """Goodput bounds in seconds (defaults 2 s TTFT, 0.2 s TPOT); an unbounded one is ``inf``."""
+
     ttft_s: float = 2.0
     tpot_s: float = 0.2
+
+    @classmethod
+    def parse(cls, text: str) -> "SLO":
+        """``vllm bench serve``'s ``--goodput``: "ttft:2000,tpot:200" (ms, comma or space separated); a bound left
+        out does not count, as there."""
+        bounds = {}
+        for item in text.replace(",", " ").split():
+            key, _, value = item.partition(":")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = -1.0
+            if key not in ("ttft", "tpot") or f"{key}_s" in bounds or not ms > 0:
+                raise UserError(f"--goodput takes ttft:MS and/or tpot:MS, each once and > 0 "
+                                f"(e.g. ttft:2000,tpot:200), got {text!r}")
+            bounds[f"{key}_s"] = ms / 1e3
+        if not bounds:
+            raise UserError("--goodput needs at least one bound, e.g. ttft:2000,tpot:200")
+        return cls(**{"ttft_s": float("inf"), "tpot_s": float("inf"), **bounds})
 
     def met(self, r: RequestResult) -> bool:
         ttft, tpot = _ttft(r), _tpot(r)

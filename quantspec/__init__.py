@@ -64,7 +64,18 @@ def pareto(storage: str | None = None, study_name: str | None = None,
     return load_summary(storage_url(storage, study_dir), study_name)
 
 
-_NEED_OPTUNA = {"SearchSettings": "studies.search", "SearchOutcome": "studies.search", "StudySummary": "studies.pareto"}
+def dashboard(storage: str | None = None, study_dir: Path = DEFAULT_STUDY_DIR, host: str = "127.0.0.1",
+              port: int = 8080) -> DashboardServer:
+    """optuna-dashboard on a stored study, bound and not yet serving (``quantspec dashboard``): call
+    ``serve_forever()`` on it, or use it as a context manager to serve from a background thread; ``.url``."""
+    require_optuna("quantspec.dashboard")
+    from studies.dashboard import open_dashboard
+
+    return open_dashboard(storage, study_dir, host, port)
+
+
+_NEED_OPTUNA = {"SearchSettings": "studies.search", "SearchOutcome": "studies.search", "StudySummary": "studies.pareto",
+                "DashboardServer": "studies.dashboard"}
 
 
 def __getattr__(name: str):
@@ -78,10 +89,10 @@ def __getattr__(name: str):
 __all__ = [
     # run things
     "load", "quantize", "evaluate", "compare_backends", "benchmark", "measure_acceptance", "check_lossless", "search", "pareto",
-    "build_proposer", "parse_scheme", "train_draft",
+    "dashboard", "build_proposer", "parse_scheme", "train_draft",
     # their inputs and results
     "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "BackendComparison", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
-    "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "QuantScheme", "UserError",
+    "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "DashboardServer", "QuantScheme", "UserError",
     "DEFAULT_DTYPE", "TrainConfig", "TrainResult",
     # extend: subclass, then register
     "WeightMethod", "register_method", "register_preset", "Observer", "register_observer", "Kernel",

@@ -62,7 +62,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def load_prompts(source: str, data_dir: str | Path | None = None, limit: int | None = None) -> list[str]:
     """First-turn prompts from ``spec_bench``, ``mt_bench`` or a JSONL path (keys ``prompt``/``text``/``turns``)."""
     if limit is not None and limit <= 0:
-        raise UserError(f"--limit must be >= 1, got {limit}")
+        raise UserError(f"--num-prompts must be >= 1, got {limit}")
     if source in PROMPT_FILES:
         rows = read_jsonl(data_file(PROMPT_FILES[source], data_dir))
     else:

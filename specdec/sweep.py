@@ -27,14 +27,20 @@ Tick = Callable[[str], None]
 
 
 def parse_ks(text: str) -> list[int]:
-    """"1,2,4,8" -> [1, 2, 4, 8], each a valid draft length."""
-    try:
-        ks = [int(x) for x in text.split(",")]  # an empty item ("2,,4") is a typo, not a skip
-    except ValueError:
-        raise UserError(f"--k must be comma-separated integers like 1,2,4,8, got {text!r}") from None
-    if not ks:
-        raise UserError("--k needs at least one value, e.g. --k 1,2,4,8")
-    return [check_k(k) for k in ks]
+    """The one grammar of ``--k``: "1,2,4,8" -> [1, 2, 4, 8], "1-4" -> [1, 2, 3, 4], "1-4,8" -> [1, 2, 3, 4, 8];
+    sorted, each a valid draft length."""
+    ks: set[int] = set()
+    for item in text.split(","):  # an empty item ("2,,4") is a typo, not a skip
+        low, dash, high = item.strip().partition("-")
+        try:
+            low_k, high_k = int(low), int(high if dash else low)
+        except ValueError:
+            raise UserError(f"--k takes integers as a list (1,2,4,8), a range (1-8) or both (1-4,8), got {text!r}") \
+                from None
+        if low_k > high_k:
+            raise UserError(f"--k range {item.strip()!r} runs backwards: write LOW-HIGH, e.g. {high_k}-{low_k}")
+        ks.update(check_k(k) for k in range(low_k, high_k + 1))
+    return sorted(ks)
 
 
 @torch.inference_mode()
@@ -187,7 +193,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     ``compile_mode``: plain and speculative decoding, and the verify cost curve, through compiled steps, every
     verification length compiled (and probed) before the timed runs."""
     if max_new_tokens < 2:
-        raise UserError(f"a sweep times decoding after the first token: --max-new-tokens must be >= 2, "
+        raise UserError(f"a sweep times decoding after the first token: --output-len must be >= 2, "
                         f"got {max_new_tokens}")
     max_len = max(len(p) for p in prompts) + max_new_tokens + MAX_K + 1
     plain = Decoder(target, max_len, compile_mode=compile_mode)
@@ -232,7 +238,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             k, stats, tok_s, tok_s / plain_tok_s, c, curve[k], stats.verify_s / stats.steps / step_s,
             predictions(stats, c, curve),
             [{"alpha": r.stats["alpha"], "tau": r.stats["tau"], "tok_s": r.decode_tokens_per_s,
-              "acceptance_per_pos": r.stats["acceptance_per_pos"]} for r in results],
+              "acceptance_per_pos": r.stats["acceptance_per_pos"],
+              **{n: r.stats[n] for n in ("accepted", "draft_tokens", "drafts")}} for r in results],  # for α/τ CIs
             greedy_equal=sum(r.tokens == b.tokens for r, b in zip(results, base)) if sampling.greedy else None,
             speedup_vs_reference=tok_s / ref_tok_s if ref_tok_s else None,
             speedup_ended=decode_rate([results[i] for i in ended])[0] / ended_tok_s if ended_tok_s else None,

@@ -47,7 +47,7 @@ def _at_least(lo: int, flag: str) -> dict:
 
 @dataclass
 class TrainConfig:
-    n_prompts: int = field(default=200, metadata=_at_least(0, "--prompts"))  # Alpaca instructions answered
+    n_prompts: int = field(default=200, metadata=_at_least(0, "--num-prompts"))  # Alpaca instructions answered
     max_answer_tokens: int = field(default=64, metadata=_at_least(1, "--max-answer-tokens"))  # stops at end of turn
     n_wikitext: int = field(default=32, metadata=_at_least(0, "--wikitext"))  # WikiText-2 validation chunks
     wikitext_len: int = field(default=128, metadata=_at_least(2, "--wikitext-len"))  # tokens per chunk
@@ -313,7 +313,7 @@ def train_head(lm: LoadedModel, out: str | Path, cfg: TrainConfig = TrainConfig(
     n_held = max(1, int(len(features) * cfg.holdout)) if len(features) > 1 else 0
     held, train = features[:n_held], features[n_held:]
     if not train:
-        raise UserError("no training sequences: raise --prompts or --wikitext")
+        raise UserError("no training sequences: raise --num-prompts or --wikitext")
     model = lm.model
     embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.detach().float(), freeze=True)
     w_full = model.lm_head.weight.detach().float()

@@ -9,8 +9,9 @@ from pathlib import Path
 import optuna
 from rich.table import Table
 
+from evals.floor import Floor
 from evals.record import write_json_atomic
-from runtime.model_store import SMOLLM2, is_default_model
+from runtime.model_store import DEFAULT_MODEL, SMOLLM2, is_default_model
 from runtime.errors import UserError
 from runtime.measure import load_line, with_ci
 from studies.storage import open_storage, shown_url
@@ -48,6 +49,8 @@ class Row:
     length_ratio: float | None = None  # mean output tokens (natural end-of-turn) / the reference's
     eot_rate: float | None = None  # share of outputs that ended at end-of-turn before the limit
     infeasible_because: list[str] = field(default_factory=list)  # the constraints it breaks
+    failed_constraints: list[str] = field(default_factory=list)  # their names: quality_floor, exactness, length_band
+    task: str | None = None  # the quality task (the worst one when several)
     duplicate_of: int | None = None
     reason: str | None = None  # pruned reason or error
     notes: list[str] = field(default_factory=list)
@@ -118,7 +121,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
         rounds=(speed.get("measurement") or {}).get("rounds"),
         load=_load_text((speed.get("measurement") or {}).get("load")),
         quality=quality.get("value"), accuracy=quality.get("accuracy"), delta=quality.get("delta"),
-        ci=quality.get("ci"), flips=quality.get("flips"), kl=quality.get("kl"),
+        ci=quality.get("ci"), flips=quality.get("flips"), kl=quality.get("kl"), task=quality.get("task"),
         alpha=speed.get("alpha"), tau=speed.get("tau"),
         feasible=None if "quality_floor" not in constraints else all(v <= 0 for v in constraints.values()),
         exact=attrs.get("exact_check"),
@@ -129,6 +132,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
     )
     for name, value in constraints.items():
         if value > 0:
+            row.failed_constraints.append(name)
             row.infeasible_because.append(
                 "below the quality floor" if name == "quality_floor" else
                 f"quality not applicable ({basis.get('why', 'outputs differ')})" if name == "exactness" else
@@ -171,7 +175,10 @@ def _conditions(trial: optuna.trial.FrozenTrial | None) -> str | None:
     if "model" not in record:
         return None
     hardware, quality = record.get("hardware", {}), trial.user_attrs.get("quality") or {}
-    return (f"model {record['model']['model_id']}, {record['engine']['config'].get('dtype', '?')}, quality on "
+    model = record["model"]["model_id"]
+    if model == DEFAULT_MODEL:
+        model = f"{model} ({SMOLLM2.name})"
+    return (f"model {model}, {record['engine']['config'].get('dtype', '?')}, quality on "
             f"{quality.get('task') or '?'}, {hardware.get('cpu', '?')} ({hardware.get('isa', '?')})")
 
 
@@ -323,45 +330,219 @@ def write_json(summary: StudySummary, path: str | Path) -> Path:
     return write_json_atomic(path, summary.to_dict())
 
 
-def write_png(summary: StudySummary, path: str | Path) -> Path:
-    """Speedup over the reference (paired, with its 95% CI as error bars) vs quality: feasible points coloured,
-    infeasible grey, noisy ones hollow, the Pareto front joined and labelled."""
-    import matplotlib
+# How the plot marks a row that breaks a constraint (one overlay per broken constraint, so a row that fails two
+# gates shows both) and one whose speed is noisy: constraint -> (legend text, marker style).
+INFEASIBLE_MARKERS = {
+    "quality_floor": ("infeasible: below the quality floor", dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
+    "length_band": ("infeasible: output length outside the band",
+                    dict(marker="s", ms=13, mfc="none", mec="tab:purple", mew=1.5)),
+    "exactness": ("infeasible: greedy outputs differ from its non-speculative twin",
+                  dict(marker="X", ms=11, mfc="black", mec="white", mew=0.8)),
+}
+OTHER_MARKER = dict(marker="P", ms=9, mfc="tab:brown", mec="tab:brown")
+NOISY_MARKER = ("speed noisy: its speedup CI stayed wider than the threshold",
+                dict(marker="o", ms=17, mfc="none", mec="magenta", mew=1.2))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    rows = [r for r in summary.measured if r.quality is not None and r.speedup is not None]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for group, style in ((
-            [r for r in rows if not r.feasible], dict(c="lightgrey", ecolor="grey", label="infeasible")),
-            ([r for r in rows if r.feasible], dict(c="tab:blue", ecolor="tab:blue", label="feasible"))):
-        for r in group:
-            lo, hi = r.speedup_ci or (r.speedup, r.speedup)
-            ax.errorbar([r.speedup], [r.quality], xerr=[[r.speedup - lo], [hi - r.speedup]], fmt="o",
-                        mfc="none" if r.noisy else style["c"], mec=style["ecolor"], ecolor=style["ecolor"],
-                        capsize=3, label=style.pop("label", None))
-    front = sorted((r for r in rows if r.feasible and r.pareto), key=lambda r: r.speedup)
-    if front:
-        ax.plot([r.speedup for r in front], [r.quality for r in front], "-D", ms=10, mfc="none", c="tab:orange",
-                label="Pareto front")
+def short_label(r: Row, reference: dict | None) -> str:
+    """``#7 w4g32-asym+rtn ngram K=2``: the trial number (as in the table) and its label, proposer options
+    dropped; the reference config is called so."""
+    import re
+
+    label = re.sub(r"(\w+):\S+ K=", r"\1 K=", r.label)
+    if r.config == reference:
+        label = "reference" + ("" if label == "none" else f" ({label})")
+    else:
+        label = re.sub(r"^none\b", "unquantized", label)
+    if r.backend and r.backend != "native":
+        label = f"{r.backend} {label}"
+    return f"#{r.number} {label}"
+
+
+def _floor_line(summary: StudySummary, y_kind: str, ref_acc: float | None) -> float | None:
+    """The floor in the plotted y units: Δ points, accuracy % or the floor statistic itself."""
+    if y_kind == "quality":
+        return summary.floor_value
+    try:
+        floor = Floor.parse(summary.floor)
+    except (UserError, ValueError, TypeError):  # a toy evaluator's floor, or none: no line in accuracy units
+        return None
+    if floor is None or (floor.relative and ref_acc is None):
+        return None
+    acc = floor.value * ref_acc if floor.relative else floor.value
+    return 100 * (acc - ref_acc) if y_kind == "delta" else 100 * acc
+
+
+def _place_labels(fig, ax, items: list[tuple[float, float, str, dict]], points: list[tuple[float, float]]) -> None:
+    """Annotate each (x, y, text, style) at the first of a few offsets around its point whose text box overlaps no
+    earlier label and no plotted point and stays inside the axes (else the first offset); far ones get a leader."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # runs the layout: display positions are final from here
+    renderer = canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    pad = 5
+    taken = [Bbox.from_extents(px - pad, py - pad, px + pad, py + pad)
+             for px, py in (ax.transData.transform(p) for p in points)]
+    offsets = [(6, 5, "left", "bottom"), (6, -5, "left", "top"), (-6, 5, "right", "bottom"),
+               (-6, -5, "right", "top"), (0, 12, "center", "bottom"), (0, -12, "center", "top"),
+               (14, 18, "left", "bottom"), (14, -18, "left", "top"), (-14, 18, "right", "bottom"),
+               (-14, -18, "right", "top"), (20, 32, "left", "bottom"), (20, -32, "left", "top"),
+               (-20, 32, "right", "bottom"), (-20, -32, "right", "top")]
+    for x, y, text, style in items:
+        chosen = None
+        for dx, dy, ha, va in offsets:
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, **style)
+            box = ann.get_window_extent(renderer)
+            fits = (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1
+                    and not any(box.overlaps(t) for t in taken))
+            if fits:
+                chosen = ann
+                break
+            ann.remove()
+        if chosen is None:
+            dx, dy, ha, va = offsets[0]
+            chosen = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, **style)
+        elif abs(dx) > 6 or abs(dy) > 12:
+            chosen.arrow_patch = None
+            chosen.remove()
+            chosen = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                                 arrowprops=dict(arrowstyle="-", lw=0.5, color="grey", shrinkA=0, shrinkB=3), **style)
+        chosen.set_in_layout(False)
+        taken.append(chosen.get_window_extent(renderer))
+
+
+def figure_pareto(summary: StudySummary):
+    """The study as a matplotlib Figure: y = accuracy Δ vs the reference (percentage points, its paired 95% CI as
+    error bars; accuracy or the floor statistic when rows carry no Δ), x = speedup over the reference (paired,
+    95% CI; effective tok/s on a second axis) or tok/s where there is no reference. Feasible points blue;
+    infeasible ones grey with one marker per broken constraint; noisy speeds ringed; the Pareto front joined and
+    labelled, every other point numbered as in the table."""
+    import textwrap
+
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rows = [r for r in summary.measured if r.quality is not None and (r.speedup is not None or r.tok_s is not None)]
+    fig = Figure(figsize=(12, 6.5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    by_speedup = bool(rows) and all(r.speedup is not None for r in rows)
+    y_kind = ("delta" if rows and all(r.delta is not None for r in rows) else
+              "accuracy" if rows and all(r.accuracy is not None for r in rows) else "quality")
+    task = next((r.task for r in rows if r.task), None) or (
+        summary.conditions.split("quality on ", 1)[1].split(",")[0] if summary.conditions and
+        "quality on " in summary.conditions else None)
+    accuracy = f"{task} accuracy" if task else "accuracy"
+    ref_acc = next((r.accuracy - r.delta for r in sorted(rows, key=lambda r: r.config != summary.reference)
+                    if r.accuracy is not None and r.delta is not None), None)
+
+    def xy(r: Row) -> tuple[float, float, list, list]:
+        x, x_ci = (r.speedup, r.speedup_ci) if by_speedup else (r.tok_s, r.tok_s_ci)
+        if y_kind == "delta":
+            y, y_ci = 100 * r.delta, [100 * v for v in r.ci] if r.ci else None
+        elif y_kind == "accuracy":
+            y, y_ci = 100 * r.accuracy, None
+        else:
+            y, y_ci = r.quality, None
+        xerr = [[max(x - x_ci[0], 0)], [max(x_ci[1] - x, 0)]] if x_ci else None
+        yerr = [[max(y - y_ci[0], 0)], [max(y_ci[1] - y, 0)]] if y_ci else None
+        return x, y, xerr, yerr
+
+    handles: dict[str, Line2D] = {}
     for r in rows:
-        if r.pareto or r.not_separable:
-            ax.annotate(r.label + (" (noisy)" if r.noisy else ""), (r.speedup, r.quality),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.axhline(summary.floor_value, ls="--", c="tab:red", lw=1, label=f"floor {summary.floor}")
-    ax.axvline(1.0, ls=":", c="grey", lw=1)
-    ax.set_xlabel("speedup over the reference (effective tok/s, paired; bars: 95% CI)")
-    ax.set_ylabel("quality (>= floor passes the paired floor verdict)")
-    ax.set_title(f"{summary.name}: speed vs quality (hollow = noisy speed)"
-                 + (f"\n{summary.conditions}" if summary.conditions else ""), fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+        x, y, xerr, yerr = xy(r)
+        colour = "tab:blue" if r.feasible else "grey"
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="o", ms=5 if r.feasible else 4, c=colour, ecolor=colour,
+                    elinewidth=0.9, capsize=3, alpha=1 if r.feasible else 0.7, zorder=3)
+        key = ("feasible (passes every gate)" if r.feasible else
+               "not gated (no constraints recorded)" if r.feasible is None else
+               "infeasible (grey; the markers below say which gate it fails)")
+        handles.setdefault(key, Line2D([], [], ls="", marker="o", ms=5, c=colour))
+        for name in r.failed_constraints:
+            text, style = INFEASIBLE_MARKERS.get(name, (f"infeasible: {name}", OTHER_MARKER))
+            ax.plot([x], [y], ls="", zorder=5 if name == "exactness" else 4, gid=f"infeasible:{name}", **style)
+            handles.setdefault(text, Line2D([], [], ls="", **style))
+        if r.noisy:
+            ax.plot([x], [y], ls="", zorder=2, gid="noisy", **NOISY_MARKER[1])
+            handles.setdefault(NOISY_MARKER[0], Line2D([], [], ls="", **NOISY_MARKER[1]))
+        if r.config == summary.reference:
+            ax.plot([x], [y], ls="", marker="*", ms=15, mfc="none", mec="black", mew=1, zorder=5)
+            handles.setdefault("reference config (unquantized, no speculation)",
+                               Line2D([], [], ls="", marker="*", ms=12, mfc="none", mec="black"))
+
+    front = sorted((r for r in rows if r.feasible and r.pareto), key=lambda r: xy(r)[0])
+    if front:
+        ax.plot([xy(r)[0] for r in front], [xy(r)[1] for r in front], "-D", ms=11, mfc="none", mew=1.5,
+                c="tab:orange", zorder=2, gid="front")
+        handles["Pareto front (feasible points no other beats on both axes)"] = Line2D(
+            [], [], ls="-", marker="D", ms=9, mfc="none", c="tab:orange")
+    close = [r for r in rows if r.not_separable]
+    for r in close:
+        ax.plot([xy(r)[0]], [xy(r)[1]], ls="", marker="D", ms=11, mfc="none", mec="tab:orange", mew=1,
+                alpha=0.6, zorder=2)
+    if close:
+        handles["off the front, but not separable from it within the CIs"] = Line2D(
+            [], [], ls="", marker="D", ms=9, mfc="none", mec="tab:orange", alpha=0.6)
+
+    floor_y = _floor_line(summary, y_kind, ref_acc)
+    if floor_y is not None and floor_y == floor_y:  # not NaN (a study without a stored floor)
+        floor_text = (f"quality floor {summary.floor}" + (f" ({floor_y:+.1f} pts)" if y_kind == "delta" else "")
+                      + ": passing needs the lower end\nof the paired 95% interval above this line")
+        ax.axhline(floor_y, ls="--", c="tab:red", lw=1)
+        handles[floor_text] = Line2D([], [], ls="--", c="tab:red", lw=1)
+    if by_speedup:
+        ax.axvline(1.0, ls=":", c="grey", lw=1)
+        handles["1.0×: the reference's speed"] = Line2D([], [], ls=":", c="grey", lw=1)
+    if y_kind == "delta":
+        ax.axhline(0.0, ls="-", c="grey", lw=0.5)
+
+    labels = [(*xy(r)[:2], short_label(r, summary.reference), dict(fontsize=7.5, color="black"))
+              for r in rows if r.pareto or r.not_separable]
+    labels += [(*xy(r)[:2], f"#{r.number}", dict(fontsize=7, color="dimgrey"))
+               for r in rows if not (r.pareto or r.not_separable)]
+
+    paired = by_speedup and any(r.speedup_ci for r in rows)
+    if by_speedup:
+        ax.set_xlabel("speedup over the reference (× its effective tok/s; " + (
+            "paired interleaved rounds, bars: 95% CI)" if paired else "tok/s ÷ the reference's, unpaired)"))
+        ref_tok_s = next((r.tok_s for r in rows if r.config == summary.reference and r.tok_s), None)
+        if ref_tok_s:
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * ref_tok_s, lambda t: t / ref_tok_s))
+            top.set_xlabel(f"≈ effective tok/s (speedup × the reference's {ref_tok_s:.1f} tok/s; batch 1)",
+                           fontsize=9)
+    else:
+        ax.set_xlabel("effective tok/s (batch 1" + ("; bars: 95% CI)" if any(r.tok_s_ci for r in rows) else ")"))
+    ax.set_ylabel({"delta": f"{accuracy} Δ vs the reference (percentage points;\n< 0: lost accuracy"
+                            + (f", reference {100 * ref_acc:.1f}%" if ref_acc is not None else "")
+                            + "; bars: paired 95% CI)",
+                   "accuracy": f"{accuracy} (%)",
+                   "quality": "quality (the statistic compared with the floor)"}[y_kind])
+    ax.grid(alpha=0.3)
+    ax.margins(0.12)
+    handles["#n: trial number in the table (`quantspec pareto`)"] = Line2D([], [], ls="")
+    first = ("feasible", "not gated", "infeasible (", "infeasible:", "speed noisy", "reference", "Pareto", "off the")
+    order = sorted(handles, key=lambda text: next((i for i, s in enumerate(first) if text.startswith(s)), len(first)))
+    ax.legend([handles[text] for text in order], order, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1),
+              frameon=False)
+    band = "-".join(map(str, summary.length_band)) if summary.length_band else "off"
+    title = (f"study {summary.name}: speed vs {accuracy} ({summary.mode}, floor {summary.floor}, "
+             f"length band {band})")
+    if summary.conditions:
+        title += "\n" + "\n".join(textwrap.wrap(summary.conditions, 110))
+    fig.suptitle(title, fontsize=10.5)
+    _place_labels(fig, ax, labels, [xy(r)[:2] for r in rows])
+    fig.set_layout_engine("none")  # keep the positions the labels were placed at
+    return fig
+
+
+def write_png(summary: StudySummary, path: str | Path) -> Path:
+    """``figure_pareto`` saved as a PNG at ``path`` (written to a temporary name, then renamed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
+    figure_pareto(summary).savefig(tmp)
     tmp.replace(path)
     return path
 

@@ -113,12 +113,12 @@ def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir, spe
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--rate", "0"], "--rate must be > 0"),
-    (["--rate", "-2"], "--rate must be > 0"),
-    (["--concurrency", "0"], "--concurrency must be >= 1"),
-    (["--concurrency", "1,x"], "comma-separated"),
-    (["--rate", "1", "--concurrency", "2"], "either --concurrency"),
-    (["--workload", "nope"], "unknown workload"),
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--request-rate", "-2"], "--request-rate must be > 0"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--max-concurrency", "1,x"], "comma-separated"),
+    (["--request-rate", "1", "--max-concurrency", "2"], "either --max-concurrency"),
+    (["--dataset-name", "nope"], "unknown workload"),
     (["--backend", "tgi"], "unknown backend"),
     (["--spec", "ngram:k=4", "--temperature", "0.8", "--backend", "vllm"], "temperature > 0"),
     (["--spec", "layerskip:8", "--backend", "vllm"], "vLLM cannot run proposer"),
@@ -191,7 +191,7 @@ def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     main_args = ["bench", str(tiny_llama_dir), "-n", "2", "--output-len", "4", "--max-model-len", "200",
-                 "--rate", "50", "--json", str(out)]
+                 "--request-rate", "50", "--json", str(out)]
     try:
         main(main_args)
     except SystemExit as exc:  # typer exits 0 after a command

@@ -85,7 +85,7 @@ def test_missing_data_dir(tmp_path):
 
 
 def test_generate_on_tiny_model(tiny_llama_dir):
-    proc = run_cli("generate", str(tiny_llama_dir), "-p", "abc", "-n", "5", "--no-chat")
+    proc = run_cli("generate", str(tiny_llama_dir), "-p", "abc", "--max-new-tokens", "5", "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert "decode" in proc.stdout and "tok/s" in proc.stdout
 
@@ -110,7 +110,7 @@ def test_bad_repeats(tiny_llama_dir):
 
 def test_search_k_above_the_limit_refused_before_any_trial(tmp_path):
     proc = run_main("search", "--k", "40-48", "--study-dir", str(tmp_path), "--study-name", "s", "--create")
-    assert_one_line_error(proc, "high <= 32")
+    assert_one_line_error(proc, "must be in 1..32, got 40")
     assert not list(tmp_path.iterdir())  # no study (and no reference trial) was made
 
 
@@ -126,4 +126,4 @@ def test_bad_prompts_file(tiny_llama_dir, tmp_path, content, needle):
     path = tmp_path / "prompts.jsonl"
     path.write_text(content)
     assert_one_line_error(run_main("accept", str(tiny_llama_dir), "--spec", "ngram:min=1,max=2", "--k", "1",
-                                  "--prompts", str(path), "--limit", "2"), needle)
+                                  "--dataset-name", str(path), "--num-prompts", "2"), needle)

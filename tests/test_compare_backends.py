@@ -125,7 +125,7 @@ def test_native_vs_vllm_and_the_search_scores_vllm_points_through_vllm(default_m
     out = tmp_path / "cmp.json"
     with pytest.raises(SystemExit) as done:
         main(["eval", "default", "--scheme", "w8ch-sym_a8tok-dyn", "--compare-backends", "--tasks", "arc_easy",
-              "--limit", "12", "--dtype", "bf16", "--json", str(out)])
+              "--limit", "12", "--dtype", "bf16", "--output-path", str(out)])
     assert done.value.code in (0, None)
     cmp = json.loads(out.read_text())["tasks"]["arc_easy"]
     assert cmp["n"] == 12

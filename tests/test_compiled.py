@@ -112,7 +112,7 @@ def test_cli_generate_compile_prints_the_eager_text(tiny_llama_dir, one_thread, 
 
     def run(*flags):
         with pytest.raises(SystemExit) as exit_:
-            main(["generate", str(tiny_llama_dir), "-p", "hello", "--dtype", "fp32", "-n", "12", "--threads", "1",
+            main(["generate", str(tiny_llama_dir), "-p", "hello", "--dtype", "fp32", "--max-new-tokens", "12", "--threads", "1",
                   *flags])  # --threads: the module's one thread stays (otherwise generate's probe picks one)
         assert exit_.value.code == 0
         text, summary = capsys.readouterr().out.rsplit("prompt ", 1)  # the answer, then the speed line
@@ -218,8 +218,8 @@ def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_p
 
     def run(command, dtype, *flags):
         with pytest.raises(SystemExit) as exit_:
-            main([command, str(tiny_llama_dir), "--spec", f"draft:{tiny_llama_dir}", "--k", "2", "--prompts",
-                  str(prompts), "--limit", "1", "-n", "8", "--dtype", dtype, "--threads", "1", "--json", str(out),
+            main([command, str(tiny_llama_dir), "--spec", f"draft:{tiny_llama_dir}", "--k", "2", "--dataset-name",
+                  str(prompts), "-n", "1", "--output-len", "8", "--dtype", dtype, "--threads", "1", "--json", str(out),
                   "--compile", *flags])
         return exit_.value.code
 

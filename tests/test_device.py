@@ -45,7 +45,7 @@ def test_cuda_refused_without_gpu():
 
 @NO_CUDA
 def test_generate_cli_refuses_cuda(tiny_llama_dir):
-    proc = run_cli("generate", str(tiny_llama_dir), "-p", "hi", "--device", "cuda", "-n", "2")
+    proc = run_cli("generate", str(tiny_llama_dir), "-p", "hi", "--device", "cuda", "--max-new-tokens", "2")
     assert_one_line_error(proc, "use --device cpu")
 
 

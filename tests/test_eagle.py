@@ -393,7 +393,7 @@ def test_bad_heads_refused_in_one_line(tiny, trained, tmp_path, tiny_llama_dir, 
         with pytest.raises(UserError, match=re.escape(needle)):
             SpeculativeDecoder(tiny, f"eagle:{path}", 2)
         with pytest.raises(SystemExit) as exc:
-            main(["accept", str(tiny_llama_dir), "--spec", f"eagle:{path}", "--k", "1", "--limit", "1", "-n", "4",
+            main(["accept", str(tiny_llama_dir), "--spec", f"eagle:{path}", "--k", "1", "-n", "1", "--output-len", "4",
                   "--dtype", "fp32", "--data-dir", str(data_dir)])
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -402,7 +402,7 @@ def test_bad_heads_refused_in_one_line(tiny, trained, tmp_path, tiny_llama_dir, 
 
 def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "h"), "--prompts", "4",
+        main(["train-draft", str(tiny_llama_dir), "--output-dir", str(tmp_path / "h"), "-n", "4",
               "--max-answer-tokens", "16", "--wikitext", "2", "--wikitext-len", "32", "--epochs", "1", "--batch", "2",
               "--dtype", "fp32", "--data-dir", str(data_dir), "--ttt-steps", "2", "--context-prompts", "2",
               "--context-len", "32", "--fuse-layers", "0", "--head-layers", "2", "--ce-weight", "0.5"])
@@ -416,7 +416,7 @@ def test_train_draft_cli(tiny_llama_dir, data_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "eagle:" in out and "per chain step" in out and "4 Alpaca and 2 long-context answers" in out
     with pytest.raises(SystemExit) as exc:
-        main(["train-draft", str(tiny_llama_dir), "--out", str(tmp_path / "x"), "--epochs", "0"])
+        main(["train-draft", str(tiny_llama_dir), "--output-dir", str(tmp_path / "x"), "--epochs", "0"])
     assert exc.value.code == 2
 
 
@@ -536,7 +536,7 @@ def test_search_space_refuses_bad_head_before_the_search(tiny, trained, tiny_lla
     with pytest.raises(UserError, match="runs/eagle-head is not a directory"):
         load_space("eagle", model=str(tiny_llama_dir))  # the shipped space, before its head is trained
     with pytest.raises(SystemExit) as exc:
-        main(["search", "--model", str(tiny_llama_dir), "--proposers", f"none,eagle:{tmp_path / 'missing'}",
+        main(["search", "--model", str(tiny_llama_dir), "--spec", f"none,eagle:{tmp_path / 'missing'}",
               "--study-dir", str(tmp_path / "study"), "--n-trials", "2"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -557,8 +557,8 @@ def test_check_lossless_cli_eagle(trained, tiny_llama_dir, tmp_path, monkeypatch
     target_dir = save_head_scaled(tiny_llama_dir, tmp_path / "peaked", 20.0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
-    args = ["check-lossless", str(target_dir), "--spec", f"eagle:{out}", "--k", "3", "--prompts", str(prompts),
-            "--limit", "1", "-n", "16", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "2000",
+    args = ["check-lossless", str(target_dir), "--spec", f"eagle:{out}", "--k", "3", "--dataset-name", str(prompts),
+            "-n", "1", "--output-len", "16", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "2000",
             "--temperature", "1.0", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
     assert run_cli(args) == 0
     results = json.loads((tmp_path / "ok.json").read_text())

@@ -3,6 +3,9 @@ import json
 
 import pytest
 
+from lm_eval.utils import make_table
+
+from evals import cache
 from evals.floor import Floor, check_floor
 from evals.build import build_native
 from evals.harness import EvalConfig, evaluate
@@ -48,7 +51,17 @@ def test_quantized_eval_reports_and_caches(home, tiny_llama_dir, monkeypatch):
     assert all(r.cached for r in again.tasks.values()) and all(r.cached for r in again.reference.values())
     assert again.to_json()["results"] == first.to_json()["results"] and again.fidelity == first.fidelity
     out = json.loads(json.dumps(again.to_json(), default=str))
-    assert out["run_record"]["model"]["weights_hash"] and out["quantspec"]["verdict"] == first.verdict
+    assert out["quantspec"]["run_record"]["model"]["weights_hash"] and out["quantspec"]["verdict"] == first.verdict
+    assert "arc_easy" in make_table(out) and out["configs"]["piqa"]["task"] == "piqa"  # an lm-eval results file
+    for path in cache.cache_dir().glob("*.json"):  # entries as cached before lm-eval's task info was kept
+        entry = json.loads(path.read_text())
+        entry["value"].pop("task_info", None)
+        path.write_text(json.dumps(entry))
+    older = evaluate(config, lm_factory=_boom)  # lm-eval's task objects fill it in, as simple_evaluate wrote it
+    lm_eval_keys = ("configs", "versions", "n-shot", "higher_is_better", "n-samples")
+    assert {k: older.to_json()[k] for k in lm_eval_keys} == {k: first.to_json()[k] for k in lm_eval_keys}
+    assert all(json.loads(p.read_text())["value"]["task_info"] for t in config.tasks
+               for p in cache.cache_dir().glob(f"{t}-*.json"))  # and the entries keep it
 
 
 def test_fidelity_ppl_matches_perplexity_module(home, tiny_llama_dir):

@@ -23,7 +23,8 @@ def test_eval_default_arc_easy_offline(default_model_dir, tmp_path):
     data = json.loads(out.read_text())
     acc = data["results"]["arc_easy"]["acc,none"]
     assert 0.25 < acc <= 1 and data["n-samples"]["arc_easy"]["effective"] == 20  # far above chance (~0.25)
-    assert data["run_record"]["model"]["weights_hash"] and "Q4_1" in data["run_record"]["model"]["note"]
+    record = data["quantspec"]["run_record"]
+    assert record["model"]["weights_hash"] and "Q4_1" in record["model"]["note"]
     assert "arc_easy" in proc.stdout and "verdict" in proc.stdout
 
 

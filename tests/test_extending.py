@@ -99,8 +99,8 @@ def run_cli(*args, plugin_dir=None, env_plugins=None):
 def commands(tiny: Path, prompts: Path) -> dict[str, list[str]]:
     return {
         "toy_rtn": ["quantize", str(tiny), "--scheme", "W8A16", "--method", "toy_rtn", "--dtype", "fp32"],
-        "toyrepeat": ["accept", str(tiny), "--spec", "toyrepeat", "--k", "2", "--prompts", str(prompts), "--limit",
-                      "1", "-n", "6", "--dtype", "fp32", "--threads", "1"],
+        "toyrepeat": ["accept", str(tiny), "--spec", "toyrepeat", "--k", "2", "--dataset-name", str(prompts), "-n",
+                      "1", "--output-len", "6", "--dtype", "fp32", "--threads", "1"],
         "toy": ["bench", str(tiny), "--backend", "toy", "-n", "2", "--output-len", "3", "--max-model-len", "200"],
     }
 

@@ -185,10 +185,10 @@ def test_search_prunes_vllm_w4a16_with_the_reason(forced_avx2, tiny_llama_dir):
 @pytest.mark.integration
 def test_commands_under_the_override_work_or_refuse_in_one_line(default_model_dir, tmp_path):
     """What a user on an AVX2-only CPU runs first: bf16 generation names its fallback; quantize works."""
-    proc = run_cli("generate", "-p", "What is the capital of France?", "-n", "8", "--dtype", "bf16", env=AVX2)
+    proc = run_cli("generate", "-p", "What is the capital of France?", "--max-new-tokens", "8", "--dtype", "bf16", env=AVX2)
     assert proc.returncode == 0, proc.stderr
     assert "fallback" in proc.stdout and "forced by QUANTSPEC_CPU_FEATURES=avx2" in proc.stdout.replace("\n", "")
-    proc = run_cli("quantize", "default", "--scheme", "W8A8", "--out", str(tmp_path / "w8a8"), env=AVX2)
+    proc = run_cli("quantize", "default", "--scheme", "W8A8", "--output-dir", str(tmp_path / "w8a8"), env=AVX2)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -27,9 +27,9 @@ def test_gamma_burstiness_changes_dispersion_not_rate():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(kind="open", rate=0), "--rate must be > 0"),
-    (dict(kind="open", rate=-1.0), "--rate must be > 0"),
-    (dict(kind="closed", concurrency=0), "--concurrency must be >= 1"),
+    (dict(kind="open", rate=0), "--request-rate must be > 0"),
+    (dict(kind="open", rate=-1.0), "--request-rate must be > 0"),
+    (dict(kind="closed", concurrency=0), "--max-concurrency must be >= 1"),
     (dict(kind="open", rate=1.0, burstiness=0), "--burstiness"),
     (dict(kind="batch"), "unknown load kind"),
 ])

@@ -130,7 +130,7 @@ def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, args, needle):
     """In-process (the subprocess path is covered below): one error line, exit 2, nothing written."""
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["quantize", str(tiny_llama_dir), *args, "--out", str(out)])
+        cli_main(["quantize", str(tiny_llama_dir), *args, "--output-dir", str(out)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {err.split('error: ')[1].strip()}"]
@@ -139,13 +139,13 @@ def test_cli_bad_input(tiny_llama_dir, tmp_path, capsys, args, needle):
 
 def test_cli_quantizes_and_refuses_existing_out(tiny_llama_dir, tmp_path):
     out, record = tmp_path / "out", tmp_path / "rec.json"
-    proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "w4g32-asym", "--out", str(out), "--json", str(record))
+    proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "w4g32-asym", "--output-dir", str(out), "-o", str(record))
     assert proc.returncode == 0, proc.stderr
     assert "int4pack" in proc.stdout and "top-1 agreement" in proc.stdout
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
     assert json.loads(record.read_text())["results"]["report"]["kernels"] == {"int4pack": 14}
     before = (out / "model.safetensors").stat().st_mtime_ns
-    assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "w8ch-sym", "--out", str(out)),
+    assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "w8ch-sym", "--output-dir", str(out)),
                           "--overwrite")
     assert (out / "model.safetensors").stat().st_mtime_ns == before
 

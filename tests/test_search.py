@@ -418,8 +418,8 @@ def quantspec(tmp_path, *args, env=None, popen=False, timeout_s=240):
 
 
 def toy_search(tiny_llama_dir) -> tuple[str, ...]:
-    return ("search", "--evaluator", "toy", "--model", str(tiny_llama_dir), "--weights",
-            "none,w8ch-sym,w4g32-asym,w4g32-sym", "--methods", "rtn", "--kv", "none,kivi8", "--proposers", "none,ngram",
+    return ("search", "--evaluator", "toy", "--model", str(tiny_llama_dir), "--scheme",
+            "none,w8ch-sym,w4g32-asym,w4g32-sym", "--method", "rtn", "--kv", "none,kivi8", "--spec", "none,ngram",
             "--k", "1-6", "--floor", "0.98")
 
 

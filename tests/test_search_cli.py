@@ -20,8 +20,8 @@ def cli_error(capsys, *args) -> str:
 @pytest.mark.parametrize("args, needle", [
     (["--floor", "1.5"], "relative --floor must be in (0, 1]"),
     (["--floor", "abs:2"], "absolute --floor"),
-    (["--weights", ""], "empty search space"),
-    (["--backends", "tensorrt"], "unknown backend"),
+    (["--scheme", ""], "empty search space"),
+    (["--backend", "tensorrt"], "unknown backend"),
     (["--k", "x"], "--k"),
     (["--k", "2,,4"], "--k"),
     (["--space", "nope"], "search space 'nope' not found"),

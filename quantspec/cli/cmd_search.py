@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runtime.errors import UserError
-from quantspec.cli.app import DataDirOption, app
+from quantspec.cli.app import DataDirOption, app, flag
+from specdec.sweep import parse_ks
 from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, require_optuna
 from studies.objective import get_evaluator
 from studies.space import load_space
@@ -31,13 +32,13 @@ def _console() -> Console:
 
 
 def _k_range(text: str | None) -> list[int] | None:
+    """``--k`` in the grammar of every command, as the search's [low, high] (it samples K from a range)."""
     if text is None:
         return None
-    try:
-        parts = [int(p) for p in text.replace("-", ",").split(",")]  # "2,,4" is a typo, not a skip
-    except ValueError:
-        raise UserError(f"--k {text!r}: use LOW-HIGH (e.g. 1-8) or a single number") from None
-    return parts * 2 if len(parts) == 1 else parts
+    ks = parse_ks(text)
+    if ks != list(range(ks[0], ks[-1] + 1)):
+        raise UserError(f"search samples K from a range: use LOW-HIGH, e.g. --k {ks[0]}-{ks[-1]}, not {text!r}")
+    return [ks[0], ks[-1]]
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -76,14 +77,14 @@ def report(summary: StudySummary, console: Console, csv: str | None, png: str | 
 @app.command()
 def search(
     space: str = typer.Option(None, "--space", help="Search-space YAML: a path or a name in studies/spaces/ (default: default)."),
-    model: str = typer.Option(None, help="Override the space's model."),
-    backends: str = typer.Option(None, help="Comma list: native,vllm."),
-    weights: str = typer.Option(None, help="Comma list of weight schemes, e.g. none,w8ch-sym,w4g32-asym."),
-    methods: str = typer.Option(None, help="Comma list of weight methods, e.g. rtn,gptq."),
-    activations: str = typer.Option(None, help="Comma list of activation schemes, e.g. none,a8tok-dyn."),
-    kv: str = typer.Option(None, help="Comma list of KV-cache formats, e.g. none,int8."),
-    proposers: str = typer.Option(None, help="Comma list of proposer specs, e.g. none,ngram."),
-    k: str = typer.Option(None, "--k", help="Speculated tokens range LOW-HIGH, e.g. 1-8."),
+    model: str = typer.Option(None, "--model", "-m", help="Override the space's model."),
+    backends: str = typer.Option(None, "--backend", help="Comma list: native,vllm."),
+    weights: str = typer.Option(None, "--scheme", help="Comma list of weight schemes, e.g. none,w8ch-sym,w4g32-asym."),
+    methods: str = typer.Option(None, "--method", help="Comma list of weight methods, e.g. rtn,gptq."),
+    activations: str = typer.Option(None, "--activations", help="Comma list of activation schemes, e.g. none,a8tok-dyn."),
+    kv: str = typer.Option(None, "--kv", help="Comma list of KV-cache formats, e.g. none,int8."),
+    proposers: str = typer.Option(None, "--spec", help="Comma list of proposer specs, e.g. none,ngram."),
+    k: str = typer.Option(None, "--k", help="Draft lengths to sample from, a range LOW-HIGH, e.g. 1-8."),
     floor: str = typer.Option(None, help="Quality floor: 0.98 = 98% of the reference's accuracy at the paired-bootstrap "
                                          "lower bound, abs:0.40 = absolute accuracy (default 0.98)."),
     mode: str = typer.Option(None, help="constrained (max tok/s s.t. floor) or pareto (speed and quality)."),
@@ -96,8 +97,8 @@ def search(
                                            "default SQLite in the study dir."),
     study_name: str = typer.Option(None, "--study-name", help="Study to create (--create), join or resume."),
     study_dir: Path = typer.Option(DEFAULT_STUDY_DIR, "--study-dir", help="Folder for the default SQLite storage."),
-    create: bool = typer.Option(False, "--create", help="Create --study-name if it does not exist."),
-    resume: bool = typer.Option(False, "--resume", help="Continue a study; trials of dead workers are failed and re-queued."),
+    create: bool = flag("--create", help="Create --study-name if it does not exist."),
+    resume: bool = flag("--resume", help="Continue a study; trials of dead workers are failed and re-queued."),
     heartbeat: int = typer.Option(HEARTBEAT_S, "--heartbeat", help="RDB storages: seconds between a worker's heartbeats."),
     grace: int = typer.Option(GRACE_S, "--grace", help="RDB storages: seconds without a heartbeat after which a "
                                                        "worker's RUNNING trial is failed and re-queued once."),
@@ -109,10 +110,10 @@ def search(
                                     "sample (natural end-of-turn) over the reference's must lie in LO,HI; 'off' "
                                     "records it without enforcing it."),
     data_dir: str = DataDirOption,
-    tasks: str = typer.Option("arc_easy", help="lm-eval task(s) scoring quality, comma-separated."),
-    limit: int = typer.Option(None, help="Eval items per task (default 200)."),
-    prompts: int = typer.Option(4, help="Spec-Bench prompts per speed run (batch 1, greedy)."),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="Fixed output length per speed-run prompt (ignore_eos)."),
+    tasks: str = typer.Option("arc_easy", "--tasks", "-t", help="lm-eval task(s) scoring quality, comma-separated."),
+    limit: int = typer.Option(None, "--limit", "-L", help="Eval items per task (default 200)."),
+    prompts: int = typer.Option(4, "--num-prompts", "-n", help="Spec-Bench prompts per speed run (batch 1, greedy)."),
+    new_tokens: int = typer.Option(64, "--output-len", help="Fixed output length per speed-run prompt (ignore_eos)."),
     threads: int = typer.Option(None, help="torch threads for speed and quality runs (default: chosen per engine "
                                            "by a short timed probe of the candidates; recorded)."),
     noise_threshold: float = typer.Option(0.10, "--noise-threshold", help="Speed is measured paired with the "
@@ -120,7 +121,8 @@ def search(
                                           "this relative half-width (3 to 12 rounds of every speed prompt); wider rows are marked noisy."),
     csv: str = typer.Option(None, help="Also write the table as CSV."),
     png: str = typer.Option(None, help="Also write the Pareto plot."),
-    json_out: str = typer.Option(None, "--json", help="Also write the table as JSON."),
+    json_out: str = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
+                                 help="Also write the table as JSON."),
 ):
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
     require_optuna("quantspec search")
@@ -158,7 +160,8 @@ def pareto(
     study_dir: Path = typer.Option(DEFAULT_STUDY_DIR, "--study-dir", help="Folder of the default SQLite storage."),
     csv: str = typer.Option(None, help="Write the table as CSV."),
     png: str = typer.Option(None, help="Write the Pareto plot (PNG)."),
-    json_out: str = typer.Option(None, "--json", help="Write the table as JSON."),
+    json_out: str = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
+                                 help="Write the table as JSON."),
 ):
     """The speed/quality table of a study, sorted by speed, Pareto-optimal rows marked."""
     require_optuna("quantspec pareto")

@@ -9,13 +9,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import quantspec
+from evals.record import write_json_atomic
 from runtime.compiled import DEFAULT_MODE
 from runtime.data import load_prompts
 from runtime.sampling import SamplingConfig
 from specdec.lossless import ALPHA
 from specdec.sweep import parse_ks
-from quantspec.cli.app import (CompileOption, DataDirOption, DeviceOption, DtypeOption, ModelArgument, SpecOption,
-                               app)
+from quantspec.cli.app import (CompileOption, DataDirOption, DatasetOption, DeviceOption, DtypeOption, KOption,
+                               ModelArgument, ModelOption, NumPromptsOption, OutputLenOption, OutputPathOption,
+                               SpecOption, app, flag, pick_model)
 from quantspec.report import console, plot_sweep, print_sweep
 
 
@@ -27,12 +29,13 @@ def progress_bar() -> Progress:
 @app.command()
 def accept(
     model: str = ModelArgument,
+    model_option: str = ModelOption,
     spec: str = SpecOption,
-    k: str = typer.Option("1,2,4,8", "--k", help="Draft lengths to sweep, comma-separated (1..32)."),
-    prompts: str = typer.Option("spec_bench", help="spec_bench | mt_bench | PATH.jsonl"),
-    limit: int = typer.Option(8, help="Number of prompts."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Fixed output length (ignore_eos)."),
-    natural_eos: bool = typer.Option(False, "--natural-eos", help="Stop at the end of turn instead (at most -n)."),
+    k: str = KOption,
+    dataset: str = DatasetOption,
+    num_prompts: int = NumPromptsOption,
+    output_len: int = OutputLenOption,
+    natural_eos: bool = flag("--natural-eos", help="Stop at the end of turn instead (at most --output-len)."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0),
     top_p: float = typer.Option(1.0),
@@ -40,20 +43,21 @@ def accept(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     threads: int = typer.Option(None),
-    json_out: str = typer.Option(None, "--json", help="Write the RunRecord here."),
-    plot: str = typer.Option(None, "--plot", help="Write a PNG of α and speedup vs K."),
+    json_out: str = OutputPathOption,
+    plot: str = typer.Option(None, "--plot", help="Write a PNG of α, τ and speedup vs K."),
     data_dir: str = DataDirOption,
     compile: bool = CompileOption,
 ):
     """Acceptance (α, τ, per position) and speedup vs K of proposer --spec on MODEL, beside Leviathan's prediction."""
+    model = pick_model(model, model_option)
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     ks = parse_ks(k)
-    texts = load_prompts(prompts, data_dir, limit)
+    texts = load_prompts(dataset, data_dir, num_prompts)
     lm = quantspec.load(model, dtype, threads, "eager", device)
     proposer = quantspec.build_proposer(spec, lm)
     with progress_bar() as bar:
         task = bar.add_task("plain", total=len(texts) * (len(ks) + 1))
-        record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, prompts, max_new_tokens, sampling,
+        record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, dataset, output_len, sampling,
                                               ignore_eos=not natural_eos,
                                               tick=lambda what: bar.update(task, advance=1, description=what),
                                               compile_mode=DEFAULT_MODE if compile else None)
@@ -68,11 +72,12 @@ def accept(
 @app.command("check-lossless")
 def check_lossless(
     model: str = ModelArgument,
+    model_option: str = ModelOption,
     spec: str = SpecOption,
-    k: int = typer.Option(4, "--k"),
-    prompts: str = typer.Option("spec_bench"),
-    limit: int = typer.Option(4, help="Prompts for the greedy equality check."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
+    k: str = typer.Option("4", "--k", help="Draft length(s) to check, as in `accept --k` (each checked in turn)."),
+    dataset: str = DatasetOption,
+    num_prompts: int = typer.Option(4, "--num-prompts", "-n", help="Prompts for the greedy equality check."),
+    output_len: int = typer.Option(48, "--output-len", help="Tokens per prompt of the greedy equality check."),
     samples: int = typer.Option(400, help="Independent first-step samples per prefix for the distribution test."),
     prefixes: int = typer.Option(2, help="Prefixes (the first prompts) for the distribution test."),
     synthetic_samples: int = typer.Option(20000, help="Generations of the synthetic-vocabulary test (known p, q)."),
@@ -83,33 +88,42 @@ def check_lossless(
     dtype: str = DtypeOption,
     threads: int = typer.Option(None, help="torch threads (1 is fastest on a busy 2-core machine)."),
     alpha: float = typer.Option(ALPHA, help="False-alarm bound of each distribution and acceptance test."),
-    json_out: str = typer.Option(None, "--json"),
+    json_out: str = OutputPathOption,
     data_dir: str = DataDirOption,
     compile: bool = CompileOption,
 ):
     """Greedy token equality with plain decoding; sampled first steps (TV beyond the exact-sampler noise, first-
     position acceptance vs Σ min(p, q)) and a synthetic joint/bonus test, each with its detectable effect at
     power 0.999 printed; exit 1 on failure."""
+    model = pick_model(model, model_option)
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    with progress_bar() as bar:
-        task = bar.add_task("greedy equality", total=limit + prefixes * samples)
-        result = quantspec.check_lossless(model, spec, k, prompts, limit, max_new_tokens, samples, prefixes,
-                                          synthetic_samples, sampling, dtype, threads, alpha, data_dir,
-                                          tick=lambda what: bar.update(task, advance=1, description=what),
-                                          compile_mode=DEFAULT_MODE if compile else None)
+    results = []
+    for one_k in parse_ks(k):
+        with progress_bar() as bar:
+            task = bar.add_task(f"K={one_k}: greedy equality", total=num_prompts + prefixes * samples)
+            result = quantspec.check_lossless(model, spec, one_k, dataset, num_prompts, output_len, samples, prefixes,
+                                              synthetic_samples, sampling, dtype, threads, alpha, data_dir,
+                                              tick=lambda what: bar.update(task, advance=1, description=f"K={one_k}: {what}"),
+                                              compile_mode=DEFAULT_MODE if compile else None)
+        print_lossless(result, one_k, alpha, num_prompts, output_len)
+        results.append(result)
+    if json_out:
+        write_json_atomic(json_out, results[0].record.to_dict() if len(results) == 1 else
+                          {"runs": [r.record.to_dict() for r in results]})
+    if not all(r.passed for r in results):
+        console.print("[red]lossless check FAILED[/]")
+        sys.exit(1)
+    console.print("[green]lossless check passed[/]")
+
+
+def print_lossless(result, k: int, alpha: float, num_prompts: int, output_len: int) -> None:
     table = Table(title=f"check-lossless {result.label}, K={k}, {result.precision}, false alarm <= {alpha:g} per test")
     for col in ("check", "result", "detail"):
         table.add_column(col)
     mismatches = result.mismatches
     table.add_row("greedy == plain greedy", "FAIL" if mismatches else "ok",
-                  f"{limit - len(mismatches)}/{limit} prompts token-exact over {max_new_tokens} tokens"
+                  f"{num_prompts - len(mismatches)}/{num_prompts} prompts token-exact over {output_len} tokens"
                   + (f"; first: {mismatches[0]}" if mismatches else ""))
     for name, passed, detail in result.rows:
         table.add_row(name, "info" if passed is None else "ok" if passed else "FAIL", detail)
     console.print(table)
-    if json_out:
-        result.record.write(json_out)
-    if not result.passed:
-        console.print("[red]lossless check FAILED[/]")
-        sys.exit(1)
-    console.print("[green]lossless check passed[/]")

@@ -5,7 +5,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import quantspec
-from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, app
+from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, ModelOption, app, pick_model
 from quantspec.report import console
 from specdec.train_draft import parse_layers
 
@@ -13,8 +13,9 @@ from specdec.train_draft import parse_layers
 @app.command("train-draft")
 def train_draft(
     model: str = ModelArgument,
-    out: str = typer.Option(..., "--out", help="Head directory to write (model.safetensors + config.json)."),
-    prompts: int = typer.Option(200, "--prompts", help="Alpaca instructions the target answers (self-distillation)."),
+    model_option: str = ModelOption,
+    out: str = typer.Option(..., "--output-dir", "--out", help="Head directory to write (model.safetensors + config.json)."),
+    prompts: int = typer.Option(200, "--num-prompts", "-n", help="Alpaca instructions the target answers (self-distillation)."),
     max_answer_tokens: int = typer.Option(64, "--max-answer-tokens", help="Cap on each answer's length."),
     wikitext: int = typer.Option(32, "--wikitext", help="WikiText-2 validation chunks of --wikitext-len tokens."),
     wikitext_len: int = typer.Option(128, "--wikitext-len"),
@@ -46,7 +47,8 @@ def train_draft(
     threads: int = typer.Option(None),
     data_dir: str = DataDirOption,
 ):
-    """Train an EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUT."""
+    """Train an EAGLE draft head on MODEL's own answers and hidden states; use it as --spec eagle:OUTPUT_DIR."""
+    model = pick_model(model, model_option)
     cfg = quantspec.TrainConfig(n_prompts=prompts, max_answer_tokens=max_answer_tokens, n_wikitext=wikitext,
                                 wikitext_len=wikitext_len, epochs=epochs, batch=batch, lr=lr, ce_weight=ce_weight,
                                 draft_vocab=draft_vocab,
