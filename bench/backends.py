@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 
-CONFIGS = {  # name -> ServingConfig fields
+CONFIGS = {  # name -> Config.parse strings
     "bf16": {},
     "W8A8": {"scheme": "W8A8"},
     "W4A16-g32": {"scheme": "w4g32-sym"},
@@ -31,9 +31,10 @@ def run_one(backend: str, name: str, num_prompts: int, output_len: int, out: str
     from evals.backends import open_backend
     from evals.backends.base import ServingConfig
     from evals.bench_api import run_benchmark
+    from evals.config import Config
     from evals.loadgen import LoadSpec
 
-    config = ServingConfig(backend=backend, max_model_len=1024, **CONFIGS[name])
+    config = ServingConfig(Config.parse(backend=backend, **CONFIGS[name]), max_model_len=1024)
     records = []
     with open_backend(config) as engine:
         for c in LOADS:

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from evals.config import Config  # noqa: E402
 from evals.harness import EvalConfig, evaluate  # noqa: E402
 from evals.record import RunRecord, write_json_atomic  # noqa: E402
 from runtime.model_store import SMOLLM2  # noqa: E402
@@ -42,9 +43,9 @@ def main() -> None:
     rows, records = [], []
     for item in args.configs.split(","):
         method, scheme = item.split(":")
-        report = evaluate(EvalConfig(scheme=scheme, method=method, tasks=tuple(args.tasks.split(",")),
-                                     limit=args.limit, floor=args.floor, fidelity_windows=args.fidelity_windows,
-                                     calib=calib if method != "rtn" else None))
+        point = Config.parse(scheme=scheme, method=method, dtype="fp32", calib=calib if method != "rtn" else None)
+        report = evaluate(EvalConfig(point, tasks=tuple(args.tasks.split(",")), limit=args.limit, floor=args.floor,
+                                     fidelity_windows=args.fidelity_windows))
         records.append(report.to_json())
         for task, comp in report.comparison.items():
             rows.append({"config": item, "task": task, **comp.to_dict(),

@@ -7,6 +7,8 @@
 Every number on the generated page is read from a JSON field; the prose only explains. One small render
 function per bench kind is registered in ``RENDERERS`` by file-name pattern (first matching pattern wins);
 a JSON file no pattern claims is listed under "Not rendered", so nothing disappears silently.
+The page opens with a one-screen summary (``render_summary``): per CPU kind, the headline figure of each
+``SUMMARY`` column, picked from the same JSON and linked to the section (``<a id>`` in its heading) it comes from.
 Each section states the conditions its run record carries (model + precision, hardware + ISA + kernels,
 lengths, arrival process, engine config + warmth, metric + correctness requirement).
 """
@@ -89,6 +91,24 @@ def kernels_text(k: Any) -> str:
     for layer, kern in k.items():
         groups.setdefault(str(kern), []).append(layer)
     return "; ".join(f"{kern} ({', '.join(layers)})" for kern, layers in groups.items())
+
+
+def best_by(rows: list[dict], key: str) -> dict | None:
+    """The row with the largest ``key`` (the first of equals); rows without it are skipped."""
+    rows = [r for r in rows if r.get(key) is not None]
+    return max(rows, key=lambda r: r[key]) if rows else None
+
+
+def anchor(name: str) -> str:
+    """The explicit HTML anchor of a record's section (written into its heading): ``decode-bf16.x.json`` ->
+    ``decode-bf16-x-json``; GitHub's own heading ids drop the dots, so the summary links to these instead."""
+    return re.sub(r"[^a-z0-9_-]+", "-", name.lower())
+
+
+def run_record(d: dict) -> dict:
+    """The run record of a result file: at the top, beside the results (compare-backends), or in an lm-eval
+    file's quantspec (eval --json)."""
+    return d.get("run_record") or (d.get("quantspec") or {}).get("run_record") or d
 
 
 # ----------------------------------------------------------------------------------------------- conditions
@@ -399,7 +419,7 @@ def render_sweeps(d: dict) -> str:
             head += (f"; {len(ended)} of {len(b['ended'])} answers ended by themselves "
                      f"({min(ended)}-{max(ended)} tokens)" if ended else "; no answer ended by itself")
         rows = s["rows"]
-        best = max(rows, key=lambda r: r["speedup"])
+        best = best_by(rows, "speedup")
         head += f"; highest speedup {num(best['speedup'])}x at K={best['k']}"
         if s.get("load_average_after"):
             head += f"; load average after the sweep {' / '.join(num(x, 1) for x in s['load_average_after'])}"
@@ -446,9 +466,13 @@ def render_eagle(d: dict) -> str:
             f"held-out acceptance per epoch: {held}.")
     if d["results"].get("notes"):
         head = f"Note: {d['results']['notes']}\n\n{head}"
-    sweep = {**d["engine"]["config"], **{k: v for k, v in d["results"].items()
-                                         if k not in ("training", "time_split_s", "notes")}}
-    return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [sweep]}})
+    return head + "\n\n" + render_sweeps({**d, "results": {"sweeps": [eagle_sweep(d)]}})
+
+
+def eagle_sweep(d: dict) -> dict:
+    """An EAGLE training record's measured sweep in the shape of a ``specdec*.json`` sweep."""
+    return {**d["engine"]["config"], **{k: v for k, v in d["results"].items()
+                                        if k not in ("training", "time_split_s", "notes")}}
 
 
 @bench("spec_quant.json", "Quantization x speculation: an EAGLE head on quantized targets", "bench/spec_quant.py",
@@ -649,16 +673,173 @@ def render_noise(d: dict) -> str:
     ])
 
 
+# ----------------------------------------------------------------------------------------------- summary
+
+CPU_NOISE = re.compile(r"\(r\)|\(tm\)|\bprocessor\b|\bcpu\b|@.*|\d+-core", re.I)  # as runtime.hardware's tag drops
+NOT_MEASURED = "not measured on this CPU"
+NO_CPU = "CPU not recorded"
+
+
+def cpu_kind(name: str, d: dict) -> str:
+    """CPU model + ISA of a result file, e.g. ``AMD EPYC (AVX512)``, ``Intel Xeon (AVX512, AMX)`` or ``Intel Xeon
+    (AVX2 forced)``, read from its run record's hardware; a record older than the ISA field takes it from the
+    machine tag its bench wrote into the file name (``decode-bf16.amd-epyc-avx512.json``; runtime.hardware's
+    ``Hardware.tag``) when the tag starts with the record's CPU, else says the ISA is not recorded."""
+    hw = run_record(d).get("hardware") or {}
+    if not hw.get("cpu"):
+        return NO_CPU
+    cpu = " ".join(CPU_NOISE.sub(" ", hw["cpu"]).split()) or hw["cpu"]
+    probe = hw.get("probe") or {}
+    isa, forced = hw.get("isa") or probe.get("isa"), bool(probe.get("forced"))
+    amx = "AMX" in str(probe.get("bf16_matmul"))
+    parts, words = name.split("."), cpu.lower().split()[:3]
+    tag = parts[1].split("-") if len(parts) > 2 else []
+    if not isa and tag[:len(words)] == words:
+        rest = tag[len(words):]
+        if rest[-1:] == ["forced"]:
+            forced, rest = True, rest[:-1]
+        if rest[-1:] == ["amx"]:
+            amx, rest = True, rest[:-1]
+        isa = rest[0].upper() if len(rest) == 1 else None
+    what = [f"{isa}{' forced' if forced else ''}" if isa else "ISA not recorded", *(["AMX"] if amx else [])]
+    gpu = f" + {hw['gpu']}" if hw.get("gpu") else ""
+    return f"{cpu} ({', '.join(what)}){gpu}"
+
+
+@dataclass(frozen=True)
+class Figure:
+    group: str   # the summary shows the best figure of each group (dtype, weight width), in order of first sight
+    score: float  # larger is better
+    text: str    # markdown; the figure links to its record's section
+
+
+def ratio(x: float, name: str, ci: Any = None) -> str:
+    """A ratio linked to the section of the record it comes from, with its CI when the record has one."""
+    return f"[{num(x)}×](#{anchor(name)})" + (f" [{num(ci[0])}, {num(ci[1])}]" if ci else "")
+
+
+def decode_figures(name: str, d: dict) -> list[Figure]:
+    r, dtype = d["results"], d["engine"]["config"].get("dtype") or d["model"].get("precision")
+    text = f"{dtype} {ratio(r['native_over_hf'], name, r.get('native_over_hf_ci'))}"
+    return [Figure(str(dtype), r["native_over_hf"], text)]
+
+
+def quant_figures(name: str, d: dict) -> list[Figure]:
+    out = []
+    for x in d["results"]["rows"]:
+        bits = re.match(r"[wW](\d+)", x["scheme"])
+        if bits and x.get("vs_fp32") is not None:
+            out.append(Figure(f"int{bits[1]}", x["vs_fp32"],
+                              f"int{bits[1]} {ratio(x['vs_fp32'], name, x.get('vs_fp32_ci'))} `{x['scheme']}`"))
+    return out
+
+
+def spec_sweeps(name: str, d: dict) -> list[tuple[str, dict]]:
+    """(proposer as shown, sweep) of a speculative-decoding record, whichever bench wrote it."""
+    kind = claim(name)
+    if kind == "eagle_train_draft*.json":
+        s = eagle_sweep(d)
+        return [(f"`{s['proposer']}`", s)]
+    if kind == "spec_quant.json":
+        head = d["engine"]["config"]["head_dir"]
+        return [(f"EAGLE head `{head}` (`{c['head']}`) on target `{c['target']}`", c)
+                for c in d["results"]["conditions"] if "rows" in c]
+    return [(f"`{s['proposer']}`", s) for s in d["results"]["sweeps"]]
+
+
+def spec_figures(name: str, d: dict) -> list[Figure]:
+    out = []
+    fixed = (d.get("lengths") or {}).get("fixed_output_length")
+    length = {True: ", fixed length", False: ", to end of turn"}.get(fixed, "")
+    for proposer, s in spec_sweeps(name, d):
+        row = best_by(s["rows"], "speedup")
+        if row:
+            temp = (s.get("sampling") or {}).get("temperature")
+            out.append(Figure("", row["speedup"], f"{ratio(row['speedup'], name, row.get('speedup_ci'))} {proposer} "
+                                                  f"K={row['k']}" + ("" if temp is None else f", T={num(temp, 0)}")
+                                                  + length))
+    return out
+
+
+def search_figures(name: str, d: dict) -> list[Figure]:
+    out = []
+    for x in d["rows"]:
+        if x["feasible"] and x["state"] == "COMPLETE" and x["duplicate_of"] is None and x.get("speedup") is not None:
+            ci = x.get("ci")
+            out.append(Figure("", x["speedup"], f"`{x['label']}` {ratio(x['speedup'], name, x.get('speedup_ci'))}, "
+                                                f"{num(x['tok_s'], 1)} tok/s, Δ acc {pct(x['delta'])} pts"
+                                                + (f" [{pct(ci[0])}, {pct(ci[1])}]" if ci else "")))
+    return out
+
+
+SUMMARY = [  # (column, the renderer patterns whose files it reads, figures of one file)
+    ("native / HF decode", ("decode-*.json",), decode_figures),
+    ("best int8 · int4 decode vs fp32", ("quant_decode.*.json",), quant_figures),
+    ("best speculative speedup", ("specdec*.json", "eagle_train_draft*.json", "spec_quant.json"), spec_figures),
+    ("best feasible search point", ("study_cost-pareto.json", "demo-pareto.json"), search_figures),
+]
+SUMMARY_INTRO = (
+    "Per CPU kind (CPU and ISA of the run record, or of the machine tag in the file name where the record has no "
+    "ISA), the best figure of each kind of run, linked to its section. Quantized decode is over **fp32** decode in "
+    "the same run; speculative speedup is over plain decoding of the same target; the search point is the fastest "
+    "feasible trial against the study's reference, accuracy Δ in points; [brackets]: confidence intervals.")
+
+
+def study_records(data: dict[str, dict]) -> dict[str, str]:
+    """Search tables -> the run record of the study that wrote them (its engine config names the table)."""
+    out = {}
+    for name, d in data.items():
+        table_path = ((run_record(d).get("engine") or {}).get("config") or {}).get("table")
+        if isinstance(table_path, str):
+            out[Path(table_path).name] = name
+    return out
+
+
+def render_summary(data: dict[str, dict]) -> str:
+    """The page's first screen: per CPU kind, the headline figure of each ``SUMMARY`` column."""
+    owner = study_records(data)
+    cells: dict[str, dict[int, tuple[list[str], list[Figure]]]] = {}
+    for name, d in data.items():
+        for col, (_, patterns, figures) in enumerate(SUMMARY):
+            if claim(name) in patterns:
+                src = owner.get(name, name)  # a search table runs on its study's machine
+                files, figs = cells.setdefault(cpu_kind(src, data[src]), {}).setdefault(col, ([], []))
+                files.append(name)
+                figs.extend(figures(name, d))
+    rows, cited = [], set()
+    for kind in sorted(cells, key=lambda k: (k == NO_CPU, k)):
+        row = [kind]
+        for col in range(len(SUMMARY)):
+            files, figs = cells[kind].get(col, ([], []))
+            best: dict[str, Figure] = {}
+            for f in figs:
+                if f.group not in best or f.score > best[f.group].score:
+                    best[f.group] = f
+            shown = [f.text for f in best.values()]
+            cited |= {n for n in files if any(f"(#{anchor(n)})" in t for t in shown)}
+            if not shown and files:
+                cited |= set(files)
+            row.append(" · ".join(shown) if shown else
+                       "none in " + ", ".join(f"[`{n}`](#{anchor(n)})" for n in files) if files else NOT_MEASURED)
+        rows.append(row)
+    return "\n\n".join([
+        "## Summary",
+        SUMMARY_INTRO,
+        "###### Records cited: " + ", ".join(f"`{n}`" for n in sorted(cited)),
+        table(["CPU kind", *(c[0] for c in SUMMARY)], rows),
+    ])
+
+
 # ----------------------------------------------------------------------------------------------- page
 
-HEADER = """# Measured results
+TITLE = "# Measured results"
+ABOUT = """## About this page
 
 Generated by [`bench/render_results.py`](../render_results.py) from the JSON files in this folder (`make
 results`); do not edit by hand: `tests/test_results_page.py` fails when this page and the JSON disagree.
 Every number below is a JSON field. Each section names its source file, the script that writes it and the
 conditions its run record carries; the definitions behind α, β, τ, c, the quality floor and exactness are in
-[docs/methodology.md](../../docs/methodology.md).
-"""
+[docs/methodology.md](../../docs/methodology.md)."""
 
 
 def claim(name: str) -> str | None:
@@ -667,31 +848,32 @@ def claim(name: str) -> str | None:
 
 def render_page(results: Path) -> str:
     files = sorted(p for p in Path(results).glob("*.json"))
-    by_pattern: dict[str, list[Path]] = {p: [] for p in RENDERERS}
+    texts = {f.name: f.read_text() for f in files}
+    data = {name: json.loads(text) for name, text in texts.items()}
+    by_pattern: dict[str, list[str]] = {p: [] for p in RENDERERS}
     unclaimed = []
-    for f in files:
-        p = claim(f.name)
-        (by_pattern[p] if p else unclaimed).append(f)
-    out = [HEADER, "## Contents\n\n" + "\n".join(f"- {RENDERERS[p].title}" for p, fs in by_pattern.items() if fs)]
-    for pattern, fs in by_pattern.items():
-        if not fs:
+    for name in texts:
+        p = claim(name)
+        (by_pattern[p] if p else unclaimed).append(name)
+    out = [TITLE, render_summary(data), ABOUT,
+           "## Contents\n\n" + "\n".join(f"- {RENDERERS[p].title}" for p, fs in by_pattern.items() if fs)]
+    for pattern, names in by_pattern.items():
+        if not names:
             continue
         b = RENDERERS[pattern]
         out.append(f"## {b.title}\n\nWritten by `{b.script}`. {b.intro}".rstrip())
-        for f in fs:
-            text = f.read_text()
-            d = json.loads(text)
-            sec = [f"### [`{f.name}`]({f.name})"]
-            if FOUR_BIT.search(NOTE.sub("", text)):  # 4-bit results here, not just the model's note
+        for name in names:
+            d = data[name]
+            sec = [f'### [`{name}`]({name}) <a id="{anchor(name)}"></a>']
+            if FOUR_BIT.search(NOTE.sub("", texts[name])):  # 4-bit results here, not just the model's note
                 sec.append(Q4_1_CAVEAT)
             sec.append(b.render(d))
-            # a record at the top, beside the results (compare-backends), or in an lm-eval file's quantspec (eval --json)
-            cond = conditions(d.get("run_record") or (d.get("quantspec") or {}).get("run_record") or d)
+            cond = conditions(run_record(d))
             if cond:
                 sec.append(cond)
             out.append("\n\n".join(sec))
     out.append("## Not rendered\n\nJSON files in this folder that no renderer claims (add a renderer in "
-               "`bench/render_results.py`):\n\n" + ("\n".join(f"- `{f.name}`" for f in unclaimed) or "- none"))
+               "`bench/render_results.py`):\n\n" + ("\n".join(f"- `{n}`" for n in unclaimed) or "- none"))
     return "\n\n".join(out).rstrip() + "\n"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from evals.backends.base import ServingConfig
+from evals.config import Config
 from evals.backends.vllm_engine import counters_from_metrics, engine_kwargs, set_engine_env
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
@@ -63,7 +64,7 @@ def vllm_run(llm, prompts: list[list[int]], new_tokens: int, temperature: float)
 def engine(spec: str, k: int, max_model_len: int):
     from vllm import LLM
 
-    kwargs = engine_kwargs(ServingConfig(model="default", spec=spec, k=k, temperature=0.0,
+    kwargs = engine_kwargs(ServingConfig(Config.parse(model="default", spec=spec, k=k), temperature=0.0,
                                          max_model_len=max_model_len))
     return LLM(**kwargs), kwargs
 

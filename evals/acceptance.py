@@ -2,8 +2,8 @@
 (``quantspec.check_lossless``) as run records: specdec/ measures, this module writes the conditions down."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -11,6 +11,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from runtime.data import load_prompts
 from runtime.errors import UserError
+from runtime.progress import Tick, log_ticks
 from runtime.generate import encode_prompt
 from runtime.loading import LoadedModel, load_model
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
@@ -23,7 +24,8 @@ from specdec.speculative import SpeculativeDecoder
 from specdec.sweep import SweepResult, run_sweep
 from specdec.theory import best_k
 
-Tick = Callable[[str], None]
+logger = logging.getLogger(__name__)
+
 SYNTHETIC_VOCAB = 6
 
 METRICS = {
@@ -88,11 +90,13 @@ def prompt_ids(lm: LoadedModel, texts: list[str]) -> list[list[int]]:
 def measure_acceptance(lm: LoadedModel | str, target: str, spec: Proposer | str, ks: list[int], texts: list[str],
                        source: str, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                        reference: LoadedModel | None = None, ignore_eos: bool = True,
-                       tick: Tick = lambda _: None, compile_mode: str | None = None) -> RunRecord:
+                       tick: Tick | None = None, compile_mode: str | None = None) -> RunRecord:
     """Acceptance (α, β, τ, per position) and speedup vs K of one proposer, one row per K, beside Leviathan's
     prediction. ``lm``: a loaded target or a model name (loaded bf16 with eager attention); ``spec``: a
     Proposer or its spec text (``ngram:min=2,max=4``); ``reference``, ``ignore_eos``, ``compile_mode``: see
-    specdec.sweep.run_sweep; ``tick(what)`` after every request. The Python API behind ``quantspec accept``."""
+    specdec.sweep.run_sweep; ``tick(what)`` after every request (default: INFO log lines, runtime.progress). The
+    Python API behind ``quantspec accept``."""
+    tick = tick or log_ticks(logger)
     if isinstance(lm, str):
         lm = load_model(lm, "bf16", None, "eager")
     proposer = build_proposer(spec, lm) if isinstance(spec, str) else spec
@@ -153,12 +157,13 @@ def check_lossless(model: str = "default", spec: str = "ngram", k: int = 4, prom
                    limit: int = 4, max_new_tokens: int = 48, samples: int = 400, prefixes: int = 2,
                    synthetic_samples: int = 20000, sampling: SamplingConfig = SamplingConfig(1.0),
                    dtype: str = "bf16", threads: int | None = None, alpha: float = ALPHA,
-                   data_dir: str | None = None, tick: Tick = lambda _: None,
+                   data_dir: str | None = None, tick: Tick | None = None,
                    compile_mode: str | None = None) -> LosslessReport:
     """Greedy token equality with plain decoding on ``limit`` prompts; sampled first steps on ``prefixes``
     prompts (TV beyond the exact-sampler noise, first-position acceptance vs Σ min(p, q)); a synthetic
-    joint/bonus test with known p, q. ``tick(what)`` per greedy prompt and per sample. ``compile_mode``: both
-    decodings through compiled steps."""
+    joint/bonus test with known p, q. ``tick(what)`` per greedy prompt and per sample (default: INFO log lines).
+    ``compile_mode``: both decodings through compiled steps."""
+    tick = tick or log_ticks(logger)
     if not 0 < alpha < 1:
         raise UserError(f"--alpha must be in (0, 1), got {alpha}")
     check_k(k)

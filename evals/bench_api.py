@@ -113,20 +113,22 @@ def _against_baseline(summary: dict, results: list[RequestResult], baseline: Ben
 def _record(config: ServingConfig, backend: Backend, workload: str, load: LoadSpec, source: str,
             requests: list[Request], results: list[RequestResult], warmup: str, ignore_eos: bool,
             summary: dict) -> RunRecord:
-    path = resolve_model(config.model)
+    point = config.config
+    path = resolve_model(point.model)
     in_stats, out_stats = length_distribution_stats(results) if results else ({}, {})
     if not results:
         in_stats = {"planned": [len(r.prompt_ids) for r in requests][:3]}
     sampling = "greedy (temperature 0)" if config.temperature == 0 else f"temperature {config.temperature}"
     return RunRecord(
-        name=f"bench-{config.backend}-{workload if workload in _named() else Path(workload).stem}-{load.label}",
-        model=ModelCondition(config.model, model_weights_hash(str(path)), f"bf16 activations, weights {config.scheme}, "
-                             f"KV {config.kv}", config.scheme, SMOLLM2.note if is_default_model(path) else ""),
+        name=f"bench-{point.backend}-{workload if workload in _named() else Path(workload).stem}-{load.label}",
+        model=ModelCondition(point.model, model_weights_hash(str(path)), f"bf16 activations, weights "
+                             f"{point.scheme_label}, KV {point.kv}", point.scheme_label,
+                             SMOLLM2.note if is_default_model(path) else ""),
         hardware=hardware_info(),
         lengths=LengthDistribution(len(requests), in_stats, out_stats | {"requested": requests[0].max_tokens},
                                    source, ignore_eos),
         arrival=load.arrival(),
-        engine=EngineCondition(config.backend, {"serving_config": config.to_dict(), **backend.engine_config()},
+        engine=EngineCondition(point.backend, {"serving_config": config.to_dict(), **backend.engine_config()},
                                warmup=warmup, cache_warmth=backend.cache_warmth),
         metric=MetricCondition(METRIC_DEFINITIONS,
                                f"{sampling}; {'ignore_eos, fixed output length' if ignore_eos else 'natural EOS'}; "

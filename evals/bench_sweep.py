@@ -34,7 +34,8 @@ def benchmark(configs: list, loads: list, workload: str = "short-short", num_pro
     ``[config.without_spec(), config]``). Stops at the first failed measurement."""
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")
-    together = all(backend_class(c).interleavable for c in configs)
+    classes = [backend_class(c) for c in configs]  # every refusal before any engine starts
+    together = all(cls.interleavable for cls in classes)
     groups = [configs] if together else [[c] for c in configs]  # engines resident at once
     granularity = "interleaved: configs alternate run by run" if together else "config after config"
     measure = functools.partial(run_benchmark, workload=workload, num_prompts=num_prompts, output_len=output_len,
@@ -61,14 +62,14 @@ def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline
     for r in range(repeats):
         order = group if r % 2 == 0 or len(group) == 1 else _reversed_keeping_baselines(group)
         for config in order:
-            advance = progress(f"{config.label} {load.label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
+            advance = progress(f"{config.config.label} {load.label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
                                num_prompts)
             run = measure(config, load=load, backend=engines[id(config)], progress=lambda _r, a=advance: a(),
-                          baseline=baseline.get("base") if config.speculative else None)
+                          baseline=baseline.get("base") if config.config.speculative else None)
             if run.failed:
                 runs.append(run)
                 return False
-            if not config.speculative:
+            if not config.config.speculative:
                 baseline["base"] = run
             samples[id(config)].append(run)
     window.stop()
@@ -83,8 +84,8 @@ def _repeat(group: list, engines: dict, load, repeats: int, runs: list, baseline
 
 def _reversed_keeping_baselines(group: list) -> list:
     """Reverse the run order, but keep each speculative config after its baseline (it needs one to compare)."""
-    plain = [c for c in group if not c.speculative]
-    spec = [c for c in group if c.speculative]
+    plain = [c for c in group if not c.config.speculative]
+    spec = [c for c in group if c.config.speculative]
     return plain[::-1] + spec[::-1] if plain and spec else group[::-1]
 
 

@@ -105,8 +105,8 @@ def compare_backends(config: EvalConfig, backends: tuple[str, str] = ("native", 
     point = as_checkpoint(config.config)
     data_dir = find_data_dir(config.data_dir, required=False)
     manager = task_manager(config.tasks, data_dir, config.include_path)
-    scored = [score_tasks(EvalConfig(replace(point, backend=b), **{**config.run_fields(), "reference": False}),
-                          manager) for b in backends]
+    scored = [score_tasks(replace(config, config=replace(point, backend=b), reference=False), manager)
+              for b in backends]
     path = resolve_model(point.model)
     tokenizer = load_tokenizer(path)
     tasks = {t: _diff_task(t, scored[0][t], scored[1][t], tokenizer) for t in config.tasks}
@@ -118,7 +118,7 @@ def _record(config: EvalConfig, point, path: Path, backends, tasks: dict[str, Ta
     return RunRecord(
         name=f"compare-backends {Path(path).name} {' vs '.join(backends)}",
         model=ModelCondition(str(point.model), model_weights_hash(point.model), point.dtype,
-                             scheme=config.scheme or "none"),
+                             scheme=config.config.scheme_label),
         hardware=hardware_info(),
         lengths=LengthDistribution(sum(d.n for d in tasks.values()), {"tasks": list(config.tasks)},
                                    {"scored": {t: d.output_type for t, d in tasks.items()}},

@@ -6,7 +6,10 @@ means calibrated KV scales).
 once in ``__post_init__``, the typed parts: ``scheme`` (quant.scheme.QuantScheme), ``kv_spec``
 (quant.kvcache.KVQuantSpec or None) and ``proposer_spec`` (specdec.proposers.base.ProposerSpec or None). A bad
 string fails here, in one line, before anything loads. ``"none"`` is the one spelling of "not set" for the
-weights, activations, KV format and proposer (None, "" and "none" are all read as "none").
+weights, activations, KV format and proposer (None, "" and "none" are all read as "none"; ``method`` is None
+when the weights are not quantized, else the method, rtn unless given). ``Config.parse`` is the one entry point
+from user strings; the rules every point obeys (activations need a weight scheme, K in 1..MAX_K, dtype bf16 by
+default as for every command) are checked here, once.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from quant.kvcache import KVQuantSpec, parse_kv_spec
 from quant.scheme import QuantScheme, parse_scheme
 from runtime.errors import UserError
 from runtime.hardware import device_kind
+from runtime.loading import DEFAULT_DTYPE
 from specdec.proposers.base import ProposerSpec, check_k, parse_proposer_spec
 
 NONE = "none"
@@ -25,7 +29,7 @@ DEFAULT_K = 4
 DTYPES = ("bf16", "fp32")
 OBSERVERS = ("mse", "minmax", "percentile")
 # fields stored only when they differ from their default (keeps stored dicts of older studies comparable)
-_OPTIONAL = {"dtype": "bf16", "attention": None, "device": "cpu", "smoothquant": None, "observer": "mse",
+_OPTIONAL = {"dtype": DEFAULT_DTYPE, "attention": None, "device": "cpu", "smoothquant": None, "observer": "mse",
              "calib": None}
 
 
@@ -48,7 +52,7 @@ class Config:
     kv: str = NONE  # KV-cache spec, e.g. int8, fp8, kivi4, k8ts-v8ts (static: calibrated scales)
     proposer: str = NONE  # proposer spec without K, e.g. ngram:min=2,max=4
     k: int | None = None  # draft tokens per step when a proposer is set
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE  # bf16, the default of every entry point
     attention: str | None = None  # None = the loader's default
     device: str = "cpu"
     smoothquant: float | None = None  # SmoothQuant alpha (W8A8 schemes)
@@ -71,8 +75,10 @@ class Config:
         else:
             check_k(int(k))
         acts = parse_activations(activations)
-        scheme = parse_scheme(weights)  # activations without weights: a validity check says why it can't run
-        if scheme.weights is not None and acts is not None:
+        scheme = parse_scheme(weights)
+        if scheme.weights is None and acts is not None:
+            raise UserError(f"activation quantization ({activations}) needs a weight scheme, e.g. w8ch-sym")
+        if acts is not None:
             if scheme.activations is not None:
                 raise UserError(f"weights {weights!r} already carry activation quantization; give the weight part only")
             scheme = replace(scheme, activations=acts)
@@ -94,12 +100,16 @@ class Config:
 
     @classmethod
     def parse(cls, scheme: str | None = None, spec: str | None = None, **kw) -> "Config":
-        """From command-line style strings: ``scheme`` (a preset or combined label such as W8A8,
-        w8ch-sym_a8t-static) is split into weights + activations; ``spec`` is the proposer (a ``k=`` inside it
-        wins over ``k``). Every string is parsed here, once."""
+        """From command-line style strings (the one string entry point): ``scheme`` (a preset or combined label
+        such as W8A8, w8ch-sym_a8t-static) is split into weights + activations (an ``activations`` given beside a
+        weight-only scheme is kept); ``spec`` is the proposer (a ``k=`` inside it wins over ``k``). Every string is
+        parsed here, once; the rules of a point (activations need weights, K in 1..MAX_K) are checked here too."""
         if scheme is not None:
-            parsed = parse_scheme(_none(scheme))
-            kw["weights"], kw["activations"] = split_scheme(parsed)
+            weights, acts = split_scheme(parse_scheme(_none(scheme)))
+            given = _none(kw.get("activations"))
+            if acts != NONE and given not in (NONE, acts):
+                raise UserError(f"scheme {scheme!r} already carries activations {acts}; drop activations={given!r}")
+            kw["weights"], kw["activations"] = weights, acts if acts != NONE else given
         if spec is not None:
             parsed_spec = parse_proposer_spec(_none(spec))
             kw["proposer"] = parsed_spec.label if parsed_spec else NONE

@@ -15,7 +15,7 @@ import logging
 import re
 from datetime import datetime
 from importlib import metadata
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -39,18 +39,14 @@ LM_FACTORIES: Registry[Callable] = Registry("eval backend")
 register_lm_factory = LM_FACTORIES.register
 
 
-_POINT_KEYS = ("model", "scheme", "method", "kv", "backend", "dtype", "calib", "smoothquant", "observer")
-
-
-@dataclass(init=False)
+@dataclass(frozen=True)
 class EvalConfig:
-    """A configuration point (``evals.config.Config``; dtype fp32 unless given) plus run-only scoring settings.
-
-    ``EvalConfig(config, tasks=..)``, or from strings as before: ``EvalConfig(model=.., scheme=.., kv=..,
-    backend=.., dtype=.., calib=.., tasks=..)`` parses them once into the ``Config`` (None = "none")."""
+    """A configuration point (``evals.config.Config``, built by ``Config.parse`` from strings) plus the run-only
+    scoring settings: ``EvalConfig(Config.parse(model=.., scheme=.., kv=..), tasks=.., limit=..)``. What is
+    scored is read from ``config`` itself (``config.config.scheme_label``, ``.kv``, ``.dtype``, ...)."""
 
     config: Config
-    reference_model: str | None = None  # unquantized model to compare with (default: ``model`` itself)
+    reference_model: str | None = None  # unquantized model to compare with (default: the point's model itself)
     tasks: tuple[str, ...] = ("arc_easy",)
     limit: int | None = None  # first N docs per task
     fewshot: int = 0
@@ -64,74 +60,52 @@ class EvalConfig:
     fidelity_windows: int = 4  # WikiText-2 windows for KL/agreement/PPL (0 = skip)
     fidelity_ctx: int = 512
     progress: bool = True
-
-    def __init__(self, config: Config | None = None, **kw):
-        point = {k: kw.pop(k) for k in _POINT_KEYS if k in kw}
-        if isinstance(config, str):  # EvalConfig("model", ...) as before
-            config, point = None, {"model": config, **point}
-        if config is None:
-            point.setdefault("dtype", "fp32")
-            if point.get("method") is None:
-                point.pop("method", None)
-            config = Config.parse(**point)
-        elif point:
-            raise TypeError(f"pass either a Config or its strings, not both ({', '.join(point)})")
-        self.config = config
-        for f in fields(self):
-            if f.name != "config":
-                setattr(self, f.name, kw.pop(f.name, f.default))
-        if kw:
-            raise TypeError(f"EvalConfig got unknown field(s) {', '.join(kw)}")
-        self.__post_init__()
+    floor_spec: Floor | None = field(init=False, repr=False, compare=False)  # ``floor``, parsed
 
     def __post_init__(self):
-        self.tasks = tuple(t.strip() for t in (self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks) if t.strip())
+        if not isinstance(self.config, Config):
+            raise TypeError(f"EvalConfig takes a Config (Config.parse(model=.., scheme=..)), got {self.config!r}")
+        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        object.__setattr__(self, "tasks", tuple(t.strip() for t in tasks if t.strip()))
+        object.__setattr__(self, "include_path", tuple(self.include_path))
         if not self.tasks:
             raise UserError("no tasks given: pass --tasks arc_easy,piqa (see `lm_eval ls tasks` for names)")
         if self.limit is not None and self.limit <= 0:
             raise UserError(f"--limit must be >= 1, got {self.limit}")
         if self.fewshot < 0:
             raise UserError(f"--num-fewshot must be >= 0, got {self.fewshot}")
-        LM_FACTORIES.get(self.backend)
+        LM_FACTORIES.get(self.config.backend)
         if not 0 < self.confidence < 1:
             raise UserError(f"--confidence must be in (0, 1), got {self.confidence}")
-        self.floor_spec = Floor.parse(self.floor)
-
-    # read-only views of the configuration point (None where the point says "none")
-    model = property(lambda self: self.config.model)
-    backend = property(lambda self: self.config.backend)
-    dtype = property(lambda self: self.config.dtype)
-    calib = property(lambda self: self.config.calib)
-
-    @property
-    def scheme(self) -> str | None:
-        return self.config.scheme_label if self.config.quantized_weights else None
-
-    @property
-    def method(self) -> str:
-        return self.config.method or "rtn"
-
-    @property
-    def kv(self) -> str | None:
-        return None if self.config.kv == NONE else self.config.kv
-
-    @property
-    def quantized(self) -> bool:
-        return bool(self.scheme or self.kv or self.backend != "native" or self.reference_model)
+        object.__setattr__(self, "floor_spec", Floor.parse(self.floor))
 
     def reference_config(self) -> "EvalConfig":
-        ref = Config(model=self.reference_model or self.model, dtype=self.dtype)
-        return EvalConfig(ref, **{**self.run_fields(), "reference_model": None, "floor": None, "reference": False,
-                                  "fidelity_windows": 0})
+        """The unquantized reference scored beside it: the reference model (or the same one), same dtype, native."""
+        ref = Config(model=self.reference_model or self.config.model, dtype=self.config.dtype)
+        return replace(self, config=ref, reference_model=None, floor=None, reference=False, fidelity_windows=0)
 
     def run_fields(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "config"}
 
-    def fields(self) -> dict:
-        """Flat view (report / JSON): the point's strings plus the run settings."""
-        return {"model": self.model, "scheme": self.scheme, "method": self.method, "kv": self.kv,
-                "backend": self.backend, "dtype": self.dtype, "calib": self.calib, **self.run_fields(),
-                "config": self.config.to_dict()}
+
+def differs_from_reference(config: EvalConfig) -> bool:
+    """Whether ``config`` scores something other than its reference (quantized weights or KV, another backend,
+    or another reference model): only then is the reference scored separately."""
+    point = config.config
+    return bool(point.quantized_weights or point.kv_spec is not None or point.backend != "native"
+                or config.reference_model)
+
+
+def report_config(config: EvalConfig) -> dict:
+    """The report's flat view (EvalReport.config, the JSON's ``quantspec.config`` and lm-eval ``model_args``):
+    the point's fields (JSON null where the point says "none"; ``method`` as Config holds it, None without
+    quantized weights), the run settings, and ``Config.to_dict`` under ``config``."""
+    point = config.config
+    scheme = point.scheme_label if point.quantized_weights else None
+    return {"model": point.model, "scheme": scheme, "method": point.method,
+            "kv": None if point.kv == NONE else point.kv,
+            "backend": point.backend, "dtype": point.dtype, "calib": str(point.calib) if point.calib else None,
+            **config.run_fields(), "config": point.to_dict()}
 
 
 @dataclass
@@ -283,11 +257,12 @@ def native_lm(config: EvalConfig):
 @register_lm_factory("vllm")
 def vllm_lm(config: EvalConfig):
     """lm-eval's own ``vllm`` model over the checkpoint dir (schemes must be exported as compressed-tensors)."""
-    if config.scheme:
+    point = config.config
+    if point.quantized_weights:
         raise UserError("the vllm backend evaluates checkpoints: export the scheme as a compressed-tensors dir "
                         "first and pass that dir as MODEL")
-    kwargs = {"kv_cache_dtype": vllm_kv_cache_dtype(config.config.kv_spec)} if config.kv else {}
-    return lm_eval_vllm(str(resolve_model(config.model)), dtype={"fp32": "float32", "bf16": "bfloat16"}[config.dtype],
+    kwargs = {"kv_cache_dtype": vllm_kv_cache_dtype(point.kv_spec)} if point.kv_spec is not None else {}
+    return lm_eval_vllm(str(resolve_model(point.model)), dtype={"fp32": "float32", "bf16": "bfloat16"}[point.dtype],
                         seed=config.seed, **kwargs)
 
 
@@ -316,12 +291,13 @@ def run_lm_eval(lm, tasks: list[str], manager, limit: int | None, fewshot: int =
     """lm-eval's ``simple_evaluate`` with per-item samples, all seeds set to ``seed``."""
     import lm_eval
 
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    with quiet_lm_eval():
+    verbose = logging.getLogger().isEnabledFor(logging.INFO)  # quantspec -v, or the caller's logging config
+    logging.getLogger("lm_eval").setLevel(logging.INFO if verbose else logging.ERROR)
+    with contextlib.nullcontext() if verbose else quiet_lm_eval():
         return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=fewshot or None, limit=limit,
                                        task_manager=manager, log_samples=True, random_seed=seed,
                                        numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                       verbosity="ERROR")
+                                       verbosity="INFO" if verbose else "ERROR")
 
 
 @contextlib.contextmanager
@@ -345,17 +321,16 @@ def quiet_lm_eval():
         yield
 
 
-def _method_key(config: EvalConfig) -> str:
-    """The method and everything else that changes the weights (calibration set, SmoothQuant, observer)."""
-    return config.config.method_key
+def _cache_key(config: EvalConfig, task: str, limit: int | None, fewshot: int) -> cache.CacheKey:
+    """The point's cache key: weights hash, scheme, method key (all that changes the weights), KV, backend, dtype."""
+    point = config.config
+    return cache.CacheKey(model_weights_hash(point.model), point.scheme_label, point.method_key, point.kv,
+                          point.backend, point.dtype, task, limit, fewshot)
 
 
 def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None) -> dict[str, TaskResult]:
     """Per-task results for ``config``, from the cache where present; the model is built only on a miss."""
-    model_hash = model_weights_hash(config.model)
-    keys = {t: cache.CacheKey(model_hash, config.scheme or "none", _method_key(config), config.kv or "none",
-                              config.backend, config.dtype, t, config.limit, config.fewshot)
-            for t in config.tasks}
+    keys = {t: _cache_key(config, t, config.limit, config.fewshot) for t in config.tasks}
     out: dict[str, TaskResult] = {}
     for task, key in keys.items():
         hit = cache.load(key)
@@ -364,7 +339,7 @@ def score_tasks(config: EvalConfig, manager, lm_factory: Callable | None = None)
                                       "answers": {int(k): v for k, v in hit["answers"].items()}, "cached": True})
     missing = [t for t in config.tasks if t not in out]
     if missing:
-        lm = (lm_factory or LM_FACTORIES.get(config.backend))(config)
+        lm = (lm_factory or LM_FACTORIES.get(config.config.backend))(config)
         res = run_lm_eval(lm, missing, manager, config.limit, config.fewshot, config.seed)
         for task in missing:
             metrics = {k: v for k, v in res["results"][task].items() if k != "alias"}
@@ -422,7 +397,7 @@ def compare(config: EvalConfig, tests: dict[str, TaskResult], refs: dict[str, Ta
             t, r = _paired(test, refs[task])
             if t:
                 out[task] = check_floor(t, r, floor, config.confidence, seed=config.seed,
-                                        identical=not config.quantized)
+                                        identical=not differs_from_reference(config))
     return out
 
 
@@ -453,12 +428,12 @@ def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
                              test_cache_factory=test.cache_factory)
 
 
-def _cached_fidelity(config: EvalConfig, data_dir: Path | None, model_hash: str) -> FidelityStats | None:
-    if not (config.quantized and config.backend == "native" and config.fidelity_windows and data_dir):
+def _cached_fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None:
+    if not (differs_from_reference(config) and config.config.backend == "native" and config.fidelity_windows
+            and data_dir):
         return None
     reference = f"_ref{model_weights_hash(config.reference_model)}" if config.reference_model else ""
-    key = cache.CacheKey(model_hash, config.scheme or "none", _method_key(config), config.kv or "none",
-                         config.backend, config.dtype, f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)
+    key = _cache_key(config, f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)
     hit = cache.load(key)
     if hit is not None:
         return FidelityStats(**hit)
@@ -478,27 +453,30 @@ def evaluate(config: EvalConfig, lm_factory: Callable | None = None) -> EvalRepo
 def _evaluate(config: EvalConfig, lm_factory: Callable | None) -> EvalReport:
     data_dir = find_data_dir(config.data_dir, required=False)
     manager = task_manager(config.tasks, data_dir, config.include_path)
-    path = resolve_model(config.model)
-    model_hash = model_weights_hash(config.model)
+    path = resolve_model(config.config.model)
+    model_hash = model_weights_hash(config.config.model)
     tests = score_tasks(config, manager, lm_factory)
-    refs = score_tasks(config.reference_config(), manager) if config.reference and config.quantized else {}
-    if config.reference and not config.quantized:
+    separate = differs_from_reference(config)
+    refs = score_tasks(config.reference_config(), manager) if config.reference and separate else {}
+    if config.reference and not separate:
         refs = tests  # the configuration is the reference
     comparison = compare(config, tests, refs)
-    fidelity = _cached_fidelity(config, data_dir, model_hash)
+    fidelity = _cached_fidelity(config, data_dir)
     notes = [f"default model: {SMOLLM2.note}"] if is_default_model(path) else []
     if not data_dir:
         notes.append("no data dir: upstream lm-eval tasks from the hub")
     verdict = _verdict(config, tests, comparison)
     record = _record(config, path, model_hash, tests, comparison, fidelity, verdict, notes)
-    return EvalReport(config.fields() | {"calib": str(config.calib) if config.calib else None}, tests, refs,
+    return EvalReport(report_config(config), tests, refs,
                       comparison, fidelity, verdict, record, notes)
 
 
 def _record(config, path, model_hash, tests, comparison, fidelity, verdict, notes) -> RunRecord:
+    point = config.config
+    scheme = point.scheme_label if point.quantized_weights else "dense"
     return RunRecord(
-        name=f"eval {Path(path).name} {config.scheme or 'dense'} kv={config.kv or 'dense'} {config.backend}",
-        model=ModelCondition(str(config.model), model_hash, config.dtype, scheme=config.scheme or "none",
+        name=f"eval {Path(path).name} {scheme} kv={'dense' if point.kv == NONE else point.kv} {point.backend}",
+        model=ModelCondition(str(point.model), model_hash, point.dtype, scheme=point.scheme_label,
                              note="; ".join(notes)),
         hardware=hardware_info(),
         lengths=LengthDistribution(sum(r.n for r in tests.values()), {"tasks": list(config.tasks)},
@@ -506,7 +484,7 @@ def _record(config, path, model_hash, tests, comparison, fidelity, verdict, note
                                    source=f"lm-eval tasks, limit={config.limit}, fewshot={config.fewshot}",
                                    fixed_output_length=True),
         arrival=ArrivalProcess(kind="offline scoring"),
-        engine=EngineCondition(config.backend, {"method": config.method, "kv": config.kv, "dtype": config.dtype},
+        engine=EngineCondition(point.backend, {"method": point.method, "kv": point.kv, "dtype": point.dtype},
                                warmup="none (accuracy, not speed)", cache_warmth="n/a"),
         metric=MetricCondition(
             {"acc": "lm-eval acc (argmax of summed loglikelihood over choices)",

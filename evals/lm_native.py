@@ -19,7 +19,7 @@ from rich.progress import track
 
 from evals.build import build_native
 from evals.config import Config
-from runtime.loading import LoadedModel
+from runtime.loading import DEFAULT_DTYPE, LoadedModel
 from runtime.generate import eos_token_ids
 
 
@@ -66,7 +66,7 @@ class NativeLM(TemplateLM):
     """lm-eval model over ``runtime.loading.load_model`` (+ optional scheme and KV cache spec, built by ``evals.build``)."""
 
     def __init__(self, pretrained: str = "default", scheme: str | None = None, method: str = "rtn",
-                 kv: str | None = None, dtype: str = "fp32", max_length: int | None = None,
+                 kv: str | None = None, dtype: str = DEFAULT_DTYPE, max_length: int | None = None,
                  max_gen_toks: int = 256, threads: int | None = None, loaded: LoadedModel | None = None,
                  cache_factory=None, **_):
         super().__init__()

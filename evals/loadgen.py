@@ -49,11 +49,29 @@ class LoadSpec:
             return f"C={self.concurrency}"
         return f"λ={self.rate:g}/s" + ("" if self.burstiness == 1 else f" (gamma {self.burstiness:g})")
 
+    @classmethod
+    def parse(cls, max_concurrency: str | None = None, request_rate: str | None = None,
+              burstiness: float = 1.0) -> list["LoadSpec"]:
+        """The load points of ``--max-concurrency 1,4,16`` (closed loop; default 1) or ``--request-rate 0.5,1,2``
+        (open loop), as ``vllm bench serve`` spells them; one or the other."""
+        if max_concurrency and request_rate:
+            raise UserError("pass either --max-concurrency (closed loop) or --request-rate (open loop), not both")
+        if request_rate:
+            return [cls.open(r, burstiness) for r in _levels(request_rate, float, "--request-rate")]
+        return [cls.closed(c) for c in _levels(max_concurrency or "1", int, "--max-concurrency")]
+
     def arrival(self) -> ArrivalProcess:
         if self.kind == "closed":
             return ArrivalProcess("closed-loop", self.concurrency)
         kind = "poisson" if self.burstiness == 1 else "gamma"
         return ArrivalProcess(kind, 0, self.rate, self.burstiness)
+
+
+def _levels(text: str, cast, name: str) -> list:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{name} takes a comma-separated list of numbers, got {text!r}") from None
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

@@ -2,6 +2,7 @@
 fixed prompts, optionally write a compressed-tensors checkpoint, and describe the run as a record."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ FIDELITY_NEW_TOKENS = 32
 Q4_1_GRID = WeightSpec(4, False, "group", 32)
 INTEGER_ZERO_CAVEAT = ("; but compressed-tensors' integer zero points cannot express Q4_1's per-block offset "
                        "exactly, so trust the fidelity line above")
+
+logger = logging.getLogger(__name__)
 
 
 def fidelity_sequences(lm: LoadedModel) -> list[list[int]]:
@@ -89,13 +92,18 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     lm = load_model(model, dtype) if isinstance(model, str) else model
     plan_layers(lm, parsed)  # refuse bad group sizes / nothing to quantize before any model work
     seqs = fidelity_sequences(lm)
+    logger.info("reference logits for fidelity (%d sequences)", len(seqs))
     ref_logits = sequence_logits(lm, seqs)
+    if weight_method.needs_calibration:
+        logger.info("collecting calibration statistics for %s (%s)", method, (calib or CalibConfig()).label)
     report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if weight_method.needs_calibration else None)
+    logger.info("fidelity of the quantized model")
     fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))
     caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""
     written = None
     if out is not None:
         from quant.checkpoint import save_compressed  # compressed-tensors: imported only when writing a checkpoint
 
+        logger.info("writing the compressed-tensors checkpoint to %s", out)
         written = save_compressed(lm, report, out, overwrite)
     return Quantized(lm, report, fidelity, caveat, written, quant_record(name, lm, report, fidelity, caveat))

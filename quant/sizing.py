@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.loading import read_config
+from runtime.model_store import is_default_model, resolve_model, weights_hash
 
 
 @dataclass
@@ -32,3 +36,20 @@ def weight_bytes_by_format(config: dict) -> WeightSizes:
         "int8 (per-channel)": linear + 2 * out_channels + rest_bf16,
         "int4 (g32 asym)": linear // 2 + 4 * (linear // 32) + rest_bf16,
     })
+
+
+@dataclass
+class ModelInfo:
+    """What ``quantspec model info`` shows: the resolved path, its HF config, sizes per format, weights hash."""
+
+    path: Path
+    config: dict
+    sizes: WeightSizes
+    weights_hash: str
+    q4_1_origin: bool  # the default model, whose body weights were Q4_1-dequantized
+
+
+def model_info(model: str = "default") -> ModelInfo:
+    path = resolve_model(model)
+    config = read_config(path)
+    return ModelInfo(path, config, weight_bytes_by_format(config), weights_hash(path), is_default_model(path))

@@ -16,25 +16,41 @@ from evals.acceptance import LosslessReport, check_lossless, measure_acceptance
 from evals.backends.base import Backend, ServingConfig, register_backend
 from evals.bench_sweep import benchmark
 from evals.compare_backends import BackendComparison, compare_backends
+from evals.decode_speed import compare_decode
 from evals.config import Config
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.harness import register_lm_factory as register_eval_backend
 from evals.loadgen import LoadSpec
 from evals.quant_report import Quantized, quantize
+from evals.record import write_json_atomic as write_json
 from evals.serving_metrics import SLO
+from evals.vllm_bench_schema import save_results as save_vllm_bench_results
 from quant.actquant import Observer, register_observer
+from quant.calibration import CalibConfig
 from quant.methods import WeightMethod, register_method
 from quant.qlinear import Kernel, register_kernel
 from quant.scheme import QuantScheme, parse_scheme, register_preset
+from quant.sizing import ModelInfo, model_info
+from runtime.answer import Answer
+from runtime.answer import answer as generate
+from runtime.compiled import DEFAULT_MODE as DEFAULT_COMPILE_MODE
+from runtime.data import load_prompts
 from runtime.errors import UserError
 from runtime.loading import DEFAULT_DTYPE, LoadedModel, load_model
+from runtime.measure import SpeedProtocol
+from runtime.model_store import fetch_default_model as fetch_model
 from runtime.registry import Registry
 from runtime.sampling import SamplingConfig
+from specdec.lossless import ALPHA
 from specdec.proposers import Proposal, Proposer, build_proposer, register_proposer
-from specdec.train_draft import TrainConfig, TrainResult
+from specdec.sweep import parse_ks
+from specdec.train_draft import TrainConfig, TrainResult, parse_layers
 from specdec.train_draft import train_head as train_draft
-from studies.objective import register_evaluator
-from studies.defaults import DEFAULT_STUDY_DIR, require_optuna
+from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, require_optuna
+from studies.objective import get_evaluator, register_evaluator
+from studies.space import load_space
+
+DEMO_DIR = Path("runs/demo")
 
 
 def load(model: str | Path = "default", dtype: str = DEFAULT_DTYPE, threads: int | None = None,
@@ -45,13 +61,40 @@ def load(model: str | Path = "default", dtype: str = DEFAULT_DTYPE, threads: int
     return load_model(model, dtype, threads, attention, device)
 
 
-def search(settings: SearchSettings, evaluator, on_trial=None) -> SearchOutcome:
+def search(settings: SearchSettings, evaluator, on_trial=None, on_wait=None) -> SearchOutcome:
     """An Optuna study of configurations under a quality floor (``quantspec search``); ``evaluator`` from
-    ``studies.objective.get_evaluator`` or a registered one."""
+    ``get_evaluator`` or a registered one; ``on_trial(study, trial)`` after each trial, ``on_wait(line)`` while
+    a joining worker waits for the study's creator."""
     require_optuna("quantspec.search")
     from studies.search import run_search
 
-    return run_search(settings, evaluator, on_trial=on_trial)
+    return run_search(settings, evaluator, on_trial=on_trial, on_wait=on_wait)
+
+
+def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int | None = None):
+    """(SearchSettings, evaluator) of the small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the
+    default model, floor 0.9 of the reference's arc_easy accuracy on 50 items, a fresh study in runs/demo."""
+    require_optuna("quantspec.demo_settings")
+    from studies.search import SearchSettings
+
+    settings = SearchSettings(space=load_space("demo"), floor="0.9", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
+    return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads)
+
+
+def summarize(study) -> StudySummary:
+    """The speed/quality table of a study object (``SearchOutcome.study``)."""
+    require_optuna("quantspec.summarize")
+    from studies.pareto import summarize as summarize_study
+
+    return summarize_study(study)
+
+
+def study_url(storage: str | None = None, study_dir: Path = DEFAULT_STUDY_DIR) -> str:
+    """Where a study lives, as shown to users (passwords masked)."""
+    require_optuna("quantspec.study_url")
+    from studies.storage import shown_url, storage_url
+
+    return shown_url(storage_url(storage, study_dir))
 
 
 def pareto(storage: str | None = None, study_name: str | None = None,
@@ -61,6 +104,9 @@ def pareto(storage: str | None = None, study_name: str | None = None,
     from studies.pareto import load_summary
     from studies.storage import storage_url
 
+    if storage is None and not (Path(study_dir) / "study.db").exists():
+        raise UserError(f"no study storage at {Path(study_dir) / 'study.db'}: pass --storage URL or run "
+                        "`quantspec search`")
     return load_summary(storage_url(storage, study_dir), study_name)
 
 
@@ -88,12 +134,16 @@ def __getattr__(name: str):
 
 __all__ = [
     # run things
-    "load", "quantize", "evaluate", "compare_backends", "benchmark", "measure_acceptance", "check_lossless", "search", "pareto",
-    "dashboard", "build_proposer", "parse_scheme", "train_draft",
+    "load", "generate", "quantize", "evaluate", "compare_backends", "benchmark", "compare_decode", "measure_acceptance",
+    "check_lossless", "search", "demo_settings", "summarize", "pareto", "dashboard", "build_proposer", "parse_scheme",
+    "train_draft", "model_info", "fetch_model",
+    # parse and read what they take
+    "parse_ks", "parse_layers", "load_prompts", "load_space", "get_evaluator", "write_json", "save_vllm_bench_results", "study_url",
     # their inputs and results
     "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "BackendComparison", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
     "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "DashboardServer", "QuantScheme", "UserError",
-    "DEFAULT_DTYPE", "TrainConfig", "TrainResult",
+    "DEFAULT_DTYPE", "TrainConfig", "TrainResult", "Answer", "ModelInfo", "CalibConfig", "SpeedProtocol",
+    "DEFAULT_COMPILE_MODE", "DEFAULT_STUDY_DIR", "DEMO_DIR", "GRACE_S", "HEARTBEAT_S", "ALPHA", "require_optuna",
     # extend: subclass, then register
     "WeightMethod", "register_method", "register_preset", "Observer", "register_observer", "Kernel",
     "register_kernel", "Proposer", "Proposal", "register_proposer", "Backend", "register_backend",

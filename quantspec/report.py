@@ -2,16 +2,51 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from evals.record import RunRecord
 from runtime.measure import BOOTSTRAP_RESAMPLES, CONFIDENCE, load_line, with_ci
+from evals.quant_report import FIDELITY_PROMPTS
+from runtime.hardware import hardware_line
 from runtime.model_store import DEFAULT_MODEL, SMOLLM2, caveat_applies
 
-console = Console(width=max(Console().width, 120))
+
+
+def _make_console() -> Console:
+    """The one console of every table, note and bar: the terminal's width, or $COLUMNS (default 200) when output
+    goes to a file or a pipe, so tables do not wrap their labels in logs."""
+    return Console() if Console().is_terminal else Console(width=int(os.environ.get("COLUMNS", 200)))
+
+
+console = _make_console()
+_verbosity = 0  # -1 quiet (tables and errors only), 0 normal, 1 verbose (libraries' own logs and bars too)
+
+
+def set_verbosity(level: int) -> None:
+    """``quantspec -q`` (-1) / default (0) / ``-v`` (1)."""
+    global _verbosity
+    _verbosity = level
+
+
+def verbosity() -> int:
+    return _verbosity
+
+
+def note(text: str) -> None:
+    """A line beside the results (where a file went, caveats, conditions): not printed under ``-q``."""
+    if _verbosity >= 0:
+        console.print(text)
+
+
+def progress(*columns, transient: bool = True) -> Progress:
+    """A rich progress bar on the console (description, bar, n/total, elapsed, then ``columns``); off under ``-q``."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), *columns,
+                    console=console, transient=transient, disable=_verbosity < 0)
 
 
 def output_length(record: RunRecord) -> str:
@@ -183,7 +218,7 @@ def plot_sweep(record: RunRecord, path: str) -> Path:
 def print_caveat(record: RunRecord) -> None:
     """The default model's Q4_1 note, where the record holds 4-bit results (it is in every record regardless)."""
     if caveat_applies(record.to_dict()):
-        console.print(f"[yellow]note:[/] {record.model.note}")
+        note(f"[yellow]note:[/] {record.model.note}")
 
 
 def print_decode_comparison(record) -> None:
@@ -208,5 +243,228 @@ def print_decode_comparison(record) -> None:
                       f"greedy tokens equal: {res['greedy_tokens_equal']}")
         if paired.get("load"):
             load = paired["load"]
-            console.print(f"[dim]{load_line(load)}; {res['threads']['threads']} thread(s) ({res['threads']['how']})[/]")
+            note(f"[dim]{load_line(load)}; {res['threads']['threads']} thread(s) ({res['threads']['how']})[/]")
     print_caveat(record)
+
+
+def print_quantized(q) -> None:
+    """``quantspec quantize``: per-kernel sizes and errors, time, fidelity, caveat, where the checkpoint went."""
+    report, fidelity, out, caveat = q.report, q.fidelity, q.checkpoint, q.caveat
+    table = Table(title=f"{report.scheme.label} via {report.method} ({report.dtype} activations), "
+                        f"{len(report.layers)} layers quantized, {len(report.dense)} kept dense")
+    for col in ("kernel", "layers", "real low-bit", "weight MiB before", "MiB after", "mean rel. weight error"):
+        table.add_column(col, justify="right")
+    for kernel, count in report.kernels.items():
+        rows = [layer for layer in report.layers if layer.kernel == kernel]
+        table.add_row(kernel, str(count), "no (simulated)" if rows[0].simulated else "yes",
+                      f"{sum(r.bytes_before for r in rows) / 2**20:.1f}", f"{sum(r.bytes_after for r in rows) / 2**20:.1f}",
+                      f"{sum(r.weight_rel_error for r in rows) / len(rows):.4f}")
+    console.print(table)
+    console.print(f"quantized Linear weights {report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB "
+                  f"({report.bytes_before / report.bytes_after:.2f}x smaller) in {report.seconds:.1f} s"
+                  + (f"; calibration {report.calibration}" if report.calibration else ""))
+    console.print(f"fidelity vs unquantized on {fidelity.n_tokens} tokens of {len(FIDELITY_PROMPTS)} prompts: "
+                  f"mean KL {fidelity.mean_kl:.4f} nats, p99 KL {fidelity.p99_kl:.4f}, "
+                  f"top-1 agreement {100 * fidelity.top1_agreement:.1f}%")
+    if report.simulated:
+        console.print("[yellow]simulated:[/] layers on the 'simulated' kernel run a dequantized weight; "
+                      "their speed is not a low-bit speed")
+    if caveat:
+        note(f"[yellow]note:[/] {caveat}")
+    if out is not None:
+        console.print(f"compressed-tensors checkpoint: {out}")
+    note(f"[dim]{hardware_line(q.model.model)}[/]")
+
+
+def print_model_info(name: str, info) -> None:
+    """``quantspec model info``: architecture, sizes per weight format, weights hash (quant.sizing.ModelInfo)."""
+    config, sizes = info.config, info.sizes
+    table = Table(title=f"{name} ({info.path})")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    table.add_row("architecture", ", ".join(config["architectures"]))
+    table.add_row("layers / hidden / heads (kv)", f"{config['num_hidden_layers']} / {config['hidden_size']} / "
+                  f"{config['num_attention_heads']} ({config.get('num_key_value_heads')})")
+    table.add_row("vocab / tied embeddings", f"{config['vocab_size']} / {config.get('tie_word_embeddings', False)}")
+    table.add_row("parameters", f"{sizes.parameters / 1e6:.1f} M ({sizes.linear_parameters / 1e6:.1f} M in body "
+                                "Linear layers)")
+    for fmt, nbytes in sizes.bytes_by_format.items():
+        table.add_row(f"weights at {fmt}", f"{nbytes / 2**20:.1f} MiB")
+    table.add_row("weights hash", info.weights_hash)
+    if info.q4_1_origin:
+        table.add_row("source", "a Q4_1 GGUF, dequantized (see the README's 4-bit caveat)")
+    console.print(table)
+
+
+def print_answer(answer) -> None:
+    """``quantspec generate``: the text, then its speed line (runtime.answer.Answer)."""
+    console.print(answer.result.text)
+    console.print(f"[dim]{answer.speed_line()}[/]")
+
+
+def print_study(summary, csv: str | Path | None = None, png: str | Path | None = None,
+                json_out: str | Path | None = None) -> None:
+    """A study's speed/quality table and its footer, and the CSV / PNG / JSON written where asked."""
+    from studies.pareto import footer_lines, rich_table, write_csv, write_json, write_png  # optuna: optional
+
+    console.print(rich_table(summary))
+    for line in footer_lines(summary):
+        note(f"[dim]{line}[/]")
+    for path, writer in ((csv, write_csv), (png, write_png), (json_out, write_json)):
+        if path:
+            note(f"wrote {writer(summary, path)}")
+
+
+def search_with_progress(settings, evaluator):
+    """``quantspec.search`` under a rich progress bar showing the study-wide finished count and the last trial."""
+    from studies.search import finished_trials, run_search  # optuna: optional
+    with progress(TextColumn("{task.fields[last]}"), transient=False) as bar:
+        task = bar.add_task("[bold]search[/]", total=settings.n_trials, last="starting")
+
+        def on_trial(study, trial):
+            attrs = trial.user_attrs
+            what = attrs.get("pruned_reason") or attrs.get("error") or \
+                (f"{attrs['speed']['tok_s']:.1f} tok/s" if "speed" in attrs else "")
+            bar.update(task, completed=len(finished_trials(study)),
+                       last=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
+
+        return run_search(settings, evaluator, on_trial=on_trial, on_wait=bar.console.print)
+
+
+def print_lossless(result, k: int, alpha: float, num_prompts: int, output_len: int) -> None:
+    """``quantspec check-lossless``: one row per check (evals.acceptance.LosslessReport)."""
+    table = Table(title=f"check-lossless {result.label}, K={k}, {result.precision}, false alarm <= {alpha:g} per test")
+    for col in ("check", "result", "detail"):
+        table.add_column(col)
+    mismatches = result.mismatches
+    table.add_row("greedy == plain greedy", "FAIL" if mismatches else "ok",
+                  f"{num_prompts - len(mismatches)}/{num_prompts} prompts token-exact over {output_len} tokens"
+                  + (f"; first: {mismatches[0]}" if mismatches else ""))
+    for name, passed, detail in result.rows:
+        table.add_row(name, "info" if passed is None else "ok" if passed else "FAIL", detail)
+    console.print(table)
+
+
+def _pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal, "-" when absent."""
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def print_eval_report(report) -> None:
+    """``quantspec eval``: accuracy, Δ vs the reference with its CI, flips, floor margin, fidelity, verdict."""
+    cfg = report.config
+    metric = cfg["metric"]
+    title = (f"{cfg['model']} scheme={cfg['scheme'] or 'dense'} method={cfg['method'] if cfg['scheme'] else '-'} "
+             f"kv={cfg['kv'] or 'dense'} backend={cfg['backend']} limit={cfg['limit']} fewshot={cfg['fewshot']}")
+    table = Table(title=title)
+    for col in ("task", "n", f"{metric} % ± se", f"ref {metric} %", f"Δ pts [{cfg['confidence']:.0%} CI]",
+                "flips (-lost/+gained)", "floor margin lo", "cached"):
+        table.add_column(col, justify="right")
+    for task, res in report.tasks.items():
+        value, stderr = res.value(metric)
+        ref_value = report.reference[task].value(metric)[0] if task in report.reference else None
+        comp = report.comparison.get(task)
+        table.add_row(
+            task, str(res.n), f"{_pct(value)} ± {_pct(stderr)}", _pct(ref_value),
+            f"{100 * comp.delta:+.1f} [{100 * comp.delta_ci[0]:+.1f}, {100 * comp.delta_ci[1]:+.1f}]" if comp else "-",
+            f"{comp.flips.total} (-{comp.flips.lost}/+{comp.flips.gained})" if comp else "-",
+            f"{100 * comp.margin_ci[0]:+.1f}" if comp and cfg["floor"] else "-",
+            "yes" if res.cached else "no",
+        )
+    console.print(table)
+    if report.fidelity:
+        f = report.fidelity
+        console.print(f"WikiText-2 fidelity vs reference ({f.n_tokens} tokens): KL mean {f.mean_kl:.4f} / p99 "
+                      f"{f.p99_kl:.4f} nats, top-1 agreement {100 * f.top1_agreement:.1f}%, PPL {f.ppl_test:.2f} "
+                      f"(reference {f.ppl_ref:.2f})")
+    colour = {"pass": "green", "fail": "red"}.get(report.verdict, "yellow")
+    floor = report.record.metric.correctness
+    console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
+    undecided = report.comparison if report.verdict == "undecidable" else {}
+    for task, c in ((t, c) for t, c in undecided.items() if not c.decidable):
+        more = f"about {c.items_to_decide} items (--limit) would decide it" if c.items_to_decide else \
+            "no number of items decides it: only a configuration beating the reference could pass"
+        console.print(f"  {task}: at n={c.n} even answers equal to the reference's on every item could not "
+                      f"pass {c.floor}; {more}")
+    four_bit = caveat_applies(report.record.to_dict())
+    for line in report.notes:
+        if four_bit or not line.startswith("default model:"):  # the Q4_1 note only beside 4-bit results
+            note(f"[yellow]note:[/] {line}")
+
+
+def print_backend_comparison(comparison, show: int = 10) -> None:
+    """``quantspec eval --compare-backends``: per-task agreement and the first ``show`` differing items."""
+    first, second = comparison.backends
+    cfg = comparison.config
+    table = Table(title=f"{cfg['model']} weights={cfg.get('weights')} activations={cfg.get('activations')} "
+                        f"dtype={cfg.get('dtype', 'bf16')}: {first} vs {second}, same weights and items "
+                        f"({cfg['checkpoint']})")
+    for col in ("task", "n", f"{first} %", f"{second} %", "answers differ", f"only {first} right",
+                f"only {second} right", "McNemar p"):
+        table.add_column(col, justify="right")
+    for task, d in comparison.tasks.items():
+        table.add_row(task, str(d.n), _pct(d.accuracy[0]), _pct(d.accuracy[1]), str(d.disagree),
+                      str(d.only_first), str(d.only_second), f"{d.mcnemar_p:.3g}")
+    console.print(table)
+    for task, d in comparison.tasks.items():
+        for diff in d.diffs[:show]:
+            where = (f", first diverging token #{diff.diverge_at}: {diff.diverging_tokens[0]!r} vs "
+                     f"{diff.diverging_tokens[1]!r}" if diff.diverging_tokens else "")
+            console.print(f"  {task} doc {diff.doc_id}: {first} {diff.answers[0]!r} ({diff.correct[0]:g}) vs "
+                          f"{second} {diff.answers[1]!r} ({diff.correct[1]:g}){where}", markup=False)
+        if d.disagree > show:
+            console.print(f"  {task}: {d.disagree - show} more differing items in --json")
+
+
+def _ms(stats: dict, key: str) -> str:
+    """Seconds as whole milliseconds, "-" when the statistic is missing."""
+    return f"{stats[key] * 1e3:.0f}" if stats and key in stats else "-"
+
+
+def print_bench(title: str, runs: list) -> None:
+    """``quantspec bench``: one row per config and load point (evals.bench_api.BenchResult), the spread and load."""
+    table = Table(title=title)
+    for col in ("config", "load", "eff tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
+                "E2E p50/p99 ms", "goodput r/s", "α", "τ", "speedup", "peak RSS MiB", "failed"):
+        table.add_column(col, justify="right")
+    for run in runs:
+        s = run.summary
+        if run.failed:
+            table.add_row(_spec_label(run), run.record.arrival.kind,
+                          "FAILED", *["-"] * 10, s.get("error", "")[:40])
+            continue
+        spec = s.get("spec") or {}
+        table.add_row(
+            _spec_label(run),
+            _load_label(run.record.arrival), _repeated(s, "effective_tok_s", ".1f"), f"{s['requests_s']:.2f}",
+            f"{_ms(s['ttft_s'], 'p50')}/{_ms(s['ttft_s'], 'p99')}", _ms(s["tpot_s"], "p50"),
+            f"{_ms(s['itl_s'], 'p50')}/{_ms(s['itl_s'], 'p99')}", f"{_ms(s['e2e_s'], 'p50')}/{_ms(s['e2e_s'], 'p99')}",
+            f"{s['goodput_rps']:.2f}", f"{spec['alpha']:.2f}" if spec.get("alpha") is not None else "-",
+            f"{spec['tau']:.2f}" if spec.get("tau") is not None else "-",
+            _repeated(s, "speedup", ".2f", "x") if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}",
+            str(s["n_failed"]))
+    console.print(table)
+    ok = [r.summary for r in runs if not r.failed and "load" in r.summary]
+    if ok:
+        load, repeated = ok[-1]["load"], ok[-1].get("repeats")
+        how = (f"mean [95% CI] over {repeated['n']} repeats ({repeated['granularity']})" if repeated else
+               "one run per load point, so no spread (--repeats N gives each metric's mean and CI)")
+        note(f"[dim]{how}; {load_line(load)}[/]")
+    note(f"[dim]{hardware_line()}[/]")
+
+
+def _repeated(summary: dict, name: str, spec: str, unit: str = "") -> str:
+    """A metric, as mean [95% CI] when the load point was repeated."""
+    stats = (summary.get("repeats") or {}).get(name)
+    if not stats:
+        return format(summary[name], spec) + unit
+    return with_ci(stats["value"], stats["ci"], spec, unit)
+
+
+def _spec_label(run) -> str:
+    cfg = run.record.engine.config["serving_config"]
+    return f"{cfg['spec']} K={cfg['k']}" if cfg["spec"] else "no spec"
+
+
+def _load_label(arrival) -> str:
+    return f"C={arrival.concurrency}" if arrival.kind == "closed-loop" else f"λ={arrival.rate_rps:g}/s"

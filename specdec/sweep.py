@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
 from runtime.errors import UserError
+from runtime.progress import Tick
 from runtime.loading import LoadedModel
 from runtime.measure import Sample, ratio_of_totals
 from runtime.generate import Decoder, GenerationResult
@@ -23,7 +23,6 @@ from specdec.proposers.base import MAX_K, check_k
 from specdec.speculative import SpeculativeDecoder
 from specdec.theory import expected_tokens, refined_speedup, walltime_speedup
 
-Tick = Callable[[str], None]
 
 
 def parse_ks(text: str) -> list[int]:

@@ -10,7 +10,8 @@ from typing import Callable, Protocol
 
 from runtime.errors import UserError
 from runtime.registry import Registry
-from studies.space import SearchSpace, TrialConfig, serving_config
+from studies.space import SearchSpace, serving_config
+from evals.config import Config
 from evals.floor import Floor
 from runtime.data import find_data_dir
 from runtime.loading import set_threads
@@ -70,7 +71,7 @@ class SpeedResult:
 
 
 class TrialEvaluator(Protocol):
-    """Measures a ``TrialConfig``; the search caches ``quality`` per ``config.quality_key``."""
+    """Measures a ``Config``; the search caches ``quality`` per ``config.quality_key``."""
 
     default_floor: str  # the floor of a new study when --floor is not given
 
@@ -83,11 +84,11 @@ class TrialEvaluator(Protocol):
     def prepare(self, space: SearchSpace, floor: str) -> None:
         """Check the environment (data, model, floor) once before the first trial; raise UserError."""
 
-    def quality(self, config: TrialConfig) -> QualityResult: ...
+    def quality(self, config: Config) -> QualityResult: ...
 
-    def speed(self, config: TrialConfig) -> SpeedResult: ...
+    def speed(self, config: Config) -> SpeedResult: ...
 
-    def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
+    def greedy_tokens(self, config: Config) -> list[list[int]]:
         """Greedy output tokens on the evaluator's fixed prompts (checks that speculation leaves outputs unchanged)."""
 
     # optional (the search records "not measured"/"not by construction" without them):
@@ -135,10 +136,10 @@ class RealEvaluator:
         self.floor, self.threads = floor, threads
         self.length_tokens = length_tokens
         self.protocol = protocol or SpeedProtocol()
-        self.reference: TrialConfig | None = None
+        self.reference: Config | None = None
         self._reference = None  # the resident reference engine
-        self._tokens: dict[TrialConfig, list[list[int]]] = {}
-        self._lengths: dict[TrialConfig, dict] = {}
+        self._tokens: dict[Config, list[list[int]]] = {}
+        self._lengths: dict[Config, dict] = {}
 
     def floor_value(self, floor: str) -> float:
         return Floor.parse(floor).value
@@ -158,7 +159,7 @@ class RealEvaluator:
         resolve_model(space.model)
         self.reference = space.reference()
 
-    def quality(self, config: TrialConfig) -> QualityResult:
+    def quality(self, config: Config) -> QualityResult:
         if config.backend == "vllm":
             report = self._vllm_report(config)
         else:
@@ -179,7 +180,7 @@ class RealEvaluator:
             kl=fid.mean_kl if fid else (0.0 if not config.quantized_weights and config.kv == "none" else None),
             perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
 
-    def _vllm_report(self, config: TrialConfig):
+    def _vllm_report(self, config: Config):
         """lm-eval through vLLM on the point's export, in its serving dtype (the harness caches per export)."""
         try:
             base = config.transformation
@@ -193,7 +194,7 @@ class RealEvaluator:
             raise UserError(f"vLLM quality could not be measured here ({type(exc).__name__}: {exc}); a vLLM point "
                             "never borrows native quality, so it is skipped") from exc
 
-    def exactness(self, config: TrialConfig) -> dict:
+    def exactness(self, config: Config) -> dict:
         if config.backend != "native":
             return {"by_construction": False, "why": f"{config.backend}'s kernels are not probed for batch invariance"}
         if config.dtype != "bf16":
@@ -201,14 +202,14 @@ class RealEvaluator:
         return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
                 "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
 
-    def output_length(self, config: TrialConfig) -> dict:
+    def output_length(self, config: Config) -> dict:
         if config not in self._lengths:
             self.speed(config)
         if "error" in self._lengths[config]:
             raise UserError(f"the natural end-of-turn run (length gate) failed: {self._lengths[config]['error']}")
         return self._lengths[config]
 
-    def speed(self, config: TrialConfig) -> SpeedResult:
+    def speed(self, config: Config) -> SpeedResult:
         serving = serving_config(config, threads=self.threads)
         t0 = time.perf_counter()
         # the reference point runs on the resident reference engine when points are paired with it
@@ -256,7 +257,7 @@ class RealEvaluator:
             self._reference = open_backend(serving_config(self.reference, threads=self.threads))
         return self._reference
 
-    def _unpaired_reason(self, config: TrialConfig) -> str | None:
+    def _unpaired_reason(self, config: Config) -> str | None:
         if self.reference is None:
             return "unpaired: no reference point (prepare() was not called)"
         backends = {BACKENDS.get(c.backend) for c in (config, self.reference)}
@@ -265,7 +266,7 @@ class RealEvaluator:
         return (f"unpaired: {' and '.join(sorted(b.name for b in backends if not b.interleavable))} engines cannot "
                 "stay resident beside the reference, so the speedup divides two separate runs (no CI)")
 
-    def _paired(self, backend, config: TrialConfig, indices: list[int]) -> PairedRatio | None:
+    def _paired(self, backend, config: Config, indices: list[int]) -> PairedRatio | None:
         """Candidate vs the resident reference, request by request in interleaved blocks (the reference against
         itself for the reference point: its CI is the noise floor)."""
         if self._unpaired_reason(config):
@@ -284,7 +285,7 @@ class RealEvaluator:
             self._reference.close()
             self._reference = None
 
-    def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
+    def greedy_tokens(self, config: Config) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""
         if config not in self._tokens:
             self.speed(config)

@@ -1,6 +1,6 @@
 """Optuna search: maximise effective tokens/s subject to quality >= floor, or the (speed, quality) Pareto front.
 
-One trial = one ``TrialConfig`` sampled from the space. Points no backend can run are pruned with the reason
+One trial = one ``Config`` sampled from the space. Points no backend can run are pruned with the reason
 as user attr ``pruned_reason``. Quality is measured once per model transformation *and serving backend/dtype*
 (``study_quality_key``: a vLLM point is scored through vLLM on its export, never given the native number) and
 shared through the study's user attrs.
@@ -41,10 +41,11 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from evals.config import Config
 from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.samplers import SAMPLERS, PerTrialSeed, trial_seed
-from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
+from studies.space import SearchSpace, invalid_reason, load_space
 from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S
 from studies.storage import (WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
                              storage_url, worker_id)
@@ -107,7 +108,7 @@ def parse_length_band(text) -> tuple[float, float] | None:
     return lo, hi
 
 
-def study_quality_key(config: TrialConfig) -> str:
+def study_quality_key(config: Config) -> str:
     """The quality cache key of a point: its transformation, and for other backends the backend and dtype too
     (a vLLM point's quality is measured through vLLM in its serving dtype, never borrowed from native)."""
     key = config.transformation.quality_key
@@ -302,7 +303,7 @@ class TrialRunner:
         trial.set_user_attr("pruned_reason", reason)
         raise optuna.TrialPruned(reason)
 
-    def _measure(self, trial: optuna.Trial, config: TrialConfig) -> tuple[QualityResult, SpeedResult]:
+    def _measure(self, trial: optuna.Trial, config: Config) -> tuple[QualityResult, SpeedResult]:
         duplicate = self._finished_duplicate(config)
         if duplicate is not None:  # same point already measured in this study: reuse, do not re-measure
             trial.set_user_attr("duplicate_of", duplicate.number)
@@ -316,7 +317,7 @@ class TrialRunner:
         trial.set_user_attr("quality_basis", self.quality_basis(trial, config))
         return quality, speed
 
-    def quality_basis(self, trial: optuna.Trial, config: TrialConfig) -> dict:
+    def quality_basis(self, trial: optuna.Trial, config: Config) -> dict:
         """Why this trial's quality applies to the outputs it serves (see the module docstring)."""
         backend = f"{config.backend} {config.dtype}"
         if not config.speculative:
@@ -344,7 +345,7 @@ class TrialRunner:
             + ": the twin's quality does not apply, and the quality tasks (log-likelihoods of the target model, "
               "which speculation does not change) cannot measure what this generator emits")}
 
-    def _length_gate(self, config: TrialConfig, speed: SpeedResult) -> dict:
+    def _length_gate(self, config: Config, speed: SpeedResult) -> dict:
         """Mean output tokens per sample (natural end-of-turn) vs the reference's, and the band constraint."""
         band = self.settings.length_band
         measure = getattr(self.evaluator, "output_length", None)
@@ -364,14 +365,14 @@ class TrialRunner:
             return out | {"constraint": None, "note": "length band off (--length-band off): recorded, not enforced"}
         return out | {"constraint": max(band[0] - ratio, ratio - band[1])}
 
-    def _finished_duplicate(self, config: TrialConfig):
+    def _finished_duplicate(self, config: Config):
         wanted = config.to_dict()
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if t.user_attrs.get("config") == wanted and "speed" in t.user_attrs:
                 return t
         return None
 
-    def quality(self, config: TrialConfig, trial: optuna.Trial | None = None) -> QualityResult:
+    def quality(self, config: Config, trial: optuna.Trial | None = None) -> QualityResult:
         """Quality of the config's model transformation, measured once per study and shared by all workers.
 
         With ``trial``, the trial claims the measurement; while an earlier claimant (by claim time, then number)
@@ -406,7 +407,7 @@ class TrialRunner:
     def _sampled_for_exact_check(self, number: int) -> bool:
         return random.Random(trial_seed(self.settings.seed, number)).random() < self.settings.exact_fraction
 
-    def exact_check(self, config: TrialConfig) -> dict:
+    def exact_check(self, config: Config) -> dict:
         """Greedy outputs of the speculative config vs the same transformation without speculation."""
         base = config.transformation
         twin = study_quality_key(base)

@@ -1,9 +1,10 @@
 """The search space: backend x weight scheme (+ method) x activation scheme x KV scheme x proposer x K.
 
 Declared in a small YAML file (``studies/spaces/*.yaml``) and overridable by CLI flags. Each Optuna trial
-samples one ``evals.config.Config`` (``TrialConfig`` is that class); points a backend cannot run are rejected
-by the registered validity checks, which return a reason (the search prunes the trial and stores the reason)
-instead of crashing. What a backend can run is the backend's own ``check``.
+samples one ``evals.config.Config``; a combination Config itself refuses (activations without a weight scheme,
+weights that already carry activations) and points a backend cannot run are pruned with the reason (Config's
+UserError, or the first registered validity check's) instead of crashing. What a backend can run is the
+backend's own ``check``.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from quant.scheme import parse_scheme
 from specdec.proposers.base import MAX_K, check_proposer_spec
 
 SPACES_DIR = Path(__file__).parent / "spaces"
-TrialConfig = Config  # one configuration point: the search stores ``Config.to_dict()`` in user_attrs
 
 
 @dataclass
@@ -77,11 +77,11 @@ class SearchSpace:
         n_spec = sum((self.k[1] - self.k[0] + 1) if p != NONE else 1 for p in self.proposers)
         return len(self.backends) * n_weights * len(self.activations) * len(self.kv) * n_spec * len(self.smoothquant)
 
-    def reference(self) -> TrialConfig:
+    def reference(self) -> Config:
         """The unquantized, non-speculative point on the first backend: the speedup and accuracy baseline."""
         return Config(model=self.model, backend=self.backends[0])
 
-    def suggest(self, trial) -> TrialConfig:
+    def suggest(self, trial) -> Config:
         """Sample a point with Optuna's define-by-run API (method and K are conditional parameters)."""
         weights = trial.suggest_categorical("weights", self.weights)
         proposer = trial.suggest_categorical("proposer", self.proposers)
@@ -102,7 +102,7 @@ class SearchSpace:
         )
 
     @staticmethod
-    def params_of(config: TrialConfig) -> dict:
+    def params_of(config: Config) -> dict:
         """Optuna parameters that reproduce ``config`` (for ``study.enqueue_trial``)."""
         params = {"backend": config.backend, "weights": config.weights, "activations": config.activations,
                   "kv": config.kv, "proposer": config.proposer}
@@ -166,8 +166,6 @@ def invalid_reason(config: Config) -> str | None:
 
 @register_check("scheme")
 def _scheme_parses(config: Config) -> str | None:
-    if config.weights == NONE and config.activations != NONE:
-        return f"activation quantization ({config.activations}) needs a weight scheme"
     if config.smoothquant is not None and config.scheme.activations is None:
         return f"SmoothQuant (alpha {config.smoothquant:g}) needs activation quantization (a W8A8 scheme)"
     return None

@@ -9,6 +9,7 @@ from conftest import bf16_speculation_refusal
 from evals.backends import BACKENDS, open_backend
 from evals.backends.base import Request, ServingConfig
 from evals.bench_api import run_benchmark
+from evals.config import Config
 from evals.loadgen import LoadSpec
 from runtime.loading import load_model
 from runtime.errors import UserError
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture(scope="module")
 def tiny_native(tiny_llama_dir):
-    with open_backend(ServingConfig(model=str(tiny_llama_dir), max_model_len=200)) as backend:
+    with open_backend(ServingConfig(Config.parse(model=str(tiny_llama_dir)), max_model_len=200)) as backend:
         yield backend
 
 
@@ -31,7 +32,7 @@ def _requests(n, max_tokens=4):
 def test_registry():
     assert {"native", "vllm"} <= set(BACKENDS)
     with pytest.raises(UserError, match="unknown backend"):
-        open_backend(ServingConfig(backend="tgi"))
+        open_backend(ServingConfig(Config.parse(backend="tgi")))
 
 
 def test_native_closed_loop_queues_behind_batch_1(tiny_native):
@@ -56,7 +57,7 @@ def test_too_long_request_is_refused(tiny_native):
 
 
 def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
-    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200)
+    config = ServingConfig(Config.parse(model=str(tiny_llama_dir)), max_model_len=200)
     res = run_benchmark(config, "short-short", LoadSpec.closed(2), backend=tiny_native, num_prompts=3, output_len=5)
     rec = res.record
     assert rec.model.weights_hash and rec.hardware["libraries"]["torch"]
@@ -74,8 +75,9 @@ def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
 
 
 def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, spec_dtype):
-    config = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, dtype=spec_dtype)
-    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3, dtype=spec_dtype)
+    config = ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype), max_model_len=200)
+    spec = ServingConfig(Config.parse(model=str(tiny_llama_dir), spec="ngram:min=1,max=3", k=3, dtype=spec_dtype),
+                         max_model_len=200)
     kwargs = dict(num_prompts=3, output_len=24, seed=1)
     base = run_benchmark(config, "short-short", LoadSpec.closed(1), **kwargs)
     res = run_benchmark(spec, "short-short", LoadSpec.closed(1), baseline=base, **kwargs)
@@ -92,8 +94,9 @@ def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir, spe
     speedup among them, its baseline run beside it in each repeat (both native engines resident), and the load."""
     from evals.bench_sweep import benchmark
 
-    base = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, dtype=spec_dtype)
-    spec = ServingConfig(model=str(tiny_llama_dir), max_model_len=200, spec="ngram:min=1,max=3", k=3, dtype=spec_dtype)
+    base = ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype), max_model_len=200)
+    spec = ServingConfig(Config.parse(model=str(tiny_llama_dir), spec="ngram:min=1,max=3", k=3, dtype=spec_dtype),
+                         max_model_len=200)
     labels = []
     runs = benchmark([base, spec], [LoadSpec.closed(1)], num_prompts=2, output_len=6, repeats=3,
                      progress=lambda label, _n: labels.append(label) or (lambda: None))
@@ -137,7 +140,7 @@ def test_cli_bad_input_one_line_exit_2(tiny_llama_dir, capsys, args, needle):
 def test_vllm_not_installed_is_one_line(monkeypatch, tiny_llama_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(UserError, match="vLLM is not installed"):
-        open_backend(ServingConfig(model=str(tiny_llama_dir), backend="vllm"))
+        open_backend(ServingConfig(Config.parse(model=str(tiny_llama_dir), backend="vllm")))
 
 
 def test_port_in_use_is_refused_before_starting():
@@ -208,7 +211,7 @@ def test_native_end_to_end_default_model():
     from quantspec import benchmark as run_sweep
     from evals.serving_metrics import SLO
 
-    config = ServingConfig(spec="ngram:min=2,max=4", k=4)
+    config = ServingConfig(Config.parse(spec="ngram:min=2,max=4", k=4))
     refusal = bf16_speculation_refusal(load_model("default", "bf16", attn_implementation="eager"))
     if refusal:  # the native backend serves bf16: where that is not token-exact, speculation is refused
         with pytest.raises(UserError, match="not be token-exact"):
@@ -227,8 +230,8 @@ def test_vllm_translation_and_serve_command(tiny_llama_dir):
     from evals.backends.vllm_engine import engine_kwargs
     from evals.backends.vllm_server import serve_args
 
-    kwargs = engine_kwargs(ServingConfig(str(tiny_llama_dir), backend="vllm", kv="fp8", spec="ngram:min=2,max=4",
-                                         k=3, max_model_len=512))
+    kwargs = engine_kwargs(ServingConfig(Config.parse(model=str(tiny_llama_dir), backend="vllm", kv="fp8",
+                                                      spec="ngram:min=2,max=4", k=3), max_model_len=512))
     assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                                             "prompt_lookup_min": 2}
     assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["enforce_eager"] and kwargs["dtype"] == "bfloat16"

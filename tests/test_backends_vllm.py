@@ -12,6 +12,7 @@ import pytest
 
 from evals.backends import open_backend
 from evals.backends.base import ServingConfig
+from evals.config import Config
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def w8a8_ngram(default_model_dir):
-    config = ServingConfig(backend="vllm", scheme="W8A8", spec="ngram:min=2,max=4", k=4, max_model_len=512)
+    config = ServingConfig(Config.parse(backend="vllm", scheme="W8A8", spec="ngram:min=2,max=4", k=4),
+                           max_model_len=512)
     with open_backend(config) as backend:
         yield backend
 
@@ -47,7 +49,7 @@ def test_w8a8_export_with_ngram_closed_loop(w8a8_ngram):
 
 
 def test_server_open_loop_then_crash_mid_run(default_model_dir):
-    backend = open_backend(ServingConfig(backend="vllm", max_model_len=512))
+    backend = open_backend(ServingConfig(Config.parse(backend="vllm"), max_model_len=512))
     ok = run_benchmark(backend.config, "short-short", LoadSpec.open(4.0), backend=backend, num_prompts=3,
                        output_len=8)
     assert not ok.failed and ok.summary["output_tokens"] == 24

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from evals.compare_backends import _diff_task, compare_backends, first_divergence
+from evals.config import Config
 from evals.harness import ANSWERS, LM_FACTORIES, EvalConfig, TaskResult, native_lm, register_lm_factory
 from runtime.loading import load_tokenizer
 
@@ -91,8 +92,8 @@ def test_compare_two_backends_through_lm_eval(tmp_path, tiny_llama_dir, perturbe
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "tiny_gen.yaml").write_text(textwrap.dedent(GEN_TASK.format(data=data)))
-    config = EvalConfig(model=str(tiny_llama_dir), tasks="tiny_gen", include_path=(str(tasks),), metric="exact_match",
-                        progress=False, fidelity_windows=0)
+    config = EvalConfig(Config.parse(model=str(tiny_llama_dir), dtype="fp32"), tasks="tiny_gen",
+                        include_path=(str(tasks),), metric="exact_match", progress=False, fidelity_windows=0)
     same = compare_backends(config, ("native", "native"))
     assert same.tasks["tiny_gen"].n == 4 and same.tasks["tiny_gen"].disagree == 0  # a backend agrees with itself
     diff = compare_backends(config, ("native", perturbed_backend)).tasks["tiny_gen"]
@@ -112,13 +113,13 @@ def test_native_vs_vllm_and_the_search_scores_vllm_points_through_vllm(default_m
     shows, on the same export and items, where native and vLLM answer differently."""
     from quantspec.cli import main
     from studies.objective import get_evaluator
-    from studies.space import SearchSpace, TrialConfig
+    from studies.space import SearchSpace
 
     monkeypatch.setenv("QUANTSPEC_EVAL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     evaluator = get_evaluator("real", limit=12, fidelity_windows=0, floor="0.5")
     evaluator.prepare(SearchSpace(), "0.5")
-    quality = evaluator.quality(TrialConfig(weights="w8ch-sym", activations="a8tok-dyn", method="rtn", backend="vllm"))
+    quality = evaluator.quality(Config(weights="w8ch-sym", activations="a8tok-dyn", method="rtn", backend="vllm"))
     record = quality.record
     assert record["engine"]["backend"] == "vllm" and "exports" in record["model"]["model_id"]
 

@@ -1,5 +1,8 @@
 """One configuration point, parsed once; backends' check() before anything loads; the one native builder."""
+import inspect
 import json
+from dataclasses import FrozenInstanceError, fields, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from evals.config import Config
 from evals.harness import LM_FACTORIES, EvalConfig
 from quant.calibration import CalibConfig
 from runtime.errors import UserError
+from runtime.loading import DEFAULT_DTYPE
 from specdec.proposers.base import ProposerSpec, parse_proposer_spec
 
 
@@ -62,12 +66,49 @@ def test_one_k_bound_everywhere_the_speculation_limit():
 
 
 def test_holders_carry_one_config():
-    s = ServingConfig(model="m", scheme="W8A8", spec="ngram:k=3", max_model_len=64)
-    assert s.config == Config.parse(model="m", scheme="W8A8", spec="ngram:k=3") and s.k == 3
+    s = ServingConfig(Config.parse(model="m", scheme="W8A8", spec="ngram:k=3"), max_model_len=64)
+    assert s.config == Config.parse(model="m", scheme="W8A8", spec="ngram:k=3") and s.config.k == 3
     assert s.without_spec().config.proposer == "none" and s.without_spec().max_model_len == 64
-    e = EvalConfig(scheme=None, kv=None)
-    assert e.config == Config(dtype="fp32") and e.scheme is None and e.kv is None
+    e = EvalConfig(Config.parse(scheme=None, kv=None), tasks="arc_easy, piqa")
+    assert e.config == Config() and e.config.dtype == DEFAULT_DTYPE == "bf16" and e.tasks == ("arc_easy", "piqa")
+    assert (e.config.weights, e.config.kv, e.config.method) == ("none", "none", None)  # one spelling of "not set"
+    assert Config.parse(scheme="w8ch-sym").method == "rtn"  # the method default lives in Config only
     assert set(LM_FACTORIES) == {"native", "vllm"} and set(BACKENDS) >= {"native", "vllm"}
+
+
+@pytest.mark.parametrize("cls", [EvalConfig, ServingConfig])
+def test_holders_have_no_aliases_and_no_string_constructor(cls):
+    """The holders re-express nothing: no property views of the point, and no constructor from its strings
+    (``Config.parse`` is the one string entry point)."""
+    assert [n for n, v in vars(cls).items() if isinstance(v, property)] == []
+    point_fields = {f.name for f in fields(Config) if f.init} | {"scheme", "spec", "label", "quantized"}
+    assert not point_fields & {f.name for f in fields(cls)} - {"config"}  # nothing of the point held twice
+    for bad in ({"model": "x"}, {"scheme": "w8ch-sym"}, {"kv": "int8"}, {"dtype": "bf16"}):
+        with pytest.raises(TypeError):
+            cls(**bad)
+    with pytest.raises(TypeError, match="takes a Config"):
+        cls("x")  # a model name where the Config goes
+    assert cls(Config.parse(model="x")).config.model == "x"  # negative control: the Config form is accepted
+    with pytest.raises(FrozenInstanceError):
+        cls(Config()).config = Config(model="y")
+
+
+def test_activations_without_weights_refused_once_by_config():
+    """The rule lives in Config: parse refuses it in one line; no backend check or search check repeats it."""
+    import evals.backends.native as native
+    import evals.backends.vllm_engine as vllm_engine
+    import studies.space as space
+
+    for make in (lambda: Config.parse(activations="a8tok-dyn"), lambda: Config(activations="a8t-static"),
+                 lambda: Config.parse(scheme="none", activations="a8tok-dyn"),
+                 lambda: replace(Config.parse(scheme="W8A8"), weights="none")):
+        with pytest.raises(UserError, match=r"activation quantization \(a8t.*\) needs a weight scheme") as exc:
+            make()
+        assert "\n" not in str(exc.value)
+    assert Config.parse(scheme="W8A8").activations == "a8tok-dyn"  # negative control: with weights it parses
+    for module in (native, vllm_engine, space):  # the rule is written once, in evals/config.py
+        assert "needs a weight scheme" not in Path(module.__file__).read_text()
+    assert "needs a weight scheme" in Path(inspect.getfile(Config)).read_text()
 
 
 def test_native_check_refuses_kv_with_spec_before_loading(monkeypatch):
@@ -75,7 +116,7 @@ def test_native_check_refuses_kv_with_spec_before_loading(monkeypatch):
         raise AssertionError("check must refuse before anything loads")
 
     monkeypatch.setattr(build_mod, "load_model", no_load)
-    config = ServingConfig(kv="kivi8", spec="ngram:min=2,max=4")
+    config = ServingConfig(Config.parse(kv="kivi8", spec="ngram:min=2,max=4"))
     reason = NativeBackend.check(config)
     assert "drop --kv kivi8 or --spec" in reason and "\n" not in reason
     assert check_config(config.config) == reason
@@ -84,8 +125,8 @@ def test_native_check_refuses_kv_with_spec_before_loading(monkeypatch):
     with pytest.raises(UserError, match="bf16 KV cache"):
         NativeBackend(config)
     # negative controls: each alone runs
-    assert NativeBackend.check(ServingConfig(kv="kivi8")) is None
-    assert NativeBackend.check(ServingConfig(spec="ngram")) is None
+    assert NativeBackend.check(ServingConfig(Config.parse(kv="kivi8"))) is None
+    assert NativeBackend.check(ServingConfig(Config.parse(spec="ngram"))) is None
 
 
 def test_vllm_check_owns_vllm_knowledge():

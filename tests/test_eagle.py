@@ -214,12 +214,14 @@ def test_train_seconds_caps_the_whole_training_loop(tiny, data_dir, tmp_path):
 def test_vllm_speculative_config_for_a_head(trained, tiny, tmp_path):
     """eagle:PATH maps to vLLM's EAGLE-1 method on the saved folder; what that loader can't read is refused."""
     from evals.backends.base import ServingConfig
+    from evals.config import Config
     from evals.backends.vllm_engine import speculative_config
 
     out, _ = trained
 
     def vllm(spec):
-        return speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=spec, k=3, max_model_len=256))
+        return speculative_config(ServingConfig(Config.parse(model=str(tiny.path), backend="vllm", spec=spec, k=3),
+                                                max_model_len=256))
 
     assert vllm(f"eagle:{out}") == {"method": "eagle", "model": str(out.resolve()), "num_speculative_tokens": 3}
     reduced = tmp_path / "reduced"
@@ -460,6 +462,7 @@ def test_fused_head_layout_and_exact_drafting(fused, tiny):
     """A fused head saves fuse.weight [dim, 2*dim] and the layers it reads; speculation with it is token-exact;
     vLLM's EAGLE-1 loader (which has no fuse.weight) is refused in one line; another target's layer count too."""
     from evals.backends.base import ServingConfig
+    from evals.config import Config
     from evals.backends.vllm_engine import speculative_config
 
     out, result = fused
@@ -473,7 +476,8 @@ def test_fused_head_layout_and_exact_drafting(fused, tiny):
         assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
     assert sd.decoder.hidden.shape[1] == 2 * d
     with pytest.raises(UserError, match="fuses the target's layers"):
-        speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=f"eagle:{out}", k=3, max_model_len=256))
+        speculative_config(ServingConfig(Config.parse(model=str(tiny.path), backend="vllm", spec=f"eagle:{out}", k=3),
+                                         max_model_len=256))
     with pytest.raises(UserError, match="target has layers 0..0 before its last"):
         new_head(tiny.config, fuse_layers=(1,))
 
@@ -486,6 +490,7 @@ def test_two_layer_head_saves_vllm_layout_and_drafts_exactly(tiny, data_dir, tmp
     from dataclasses import replace
 
     from evals.backends.base import ServingConfig
+    from evals.config import Config
     from evals.backends.vllm_engine import speculative_config
 
     out = tmp_path / "two"
@@ -500,8 +505,8 @@ def test_two_layer_head_saves_vllm_layout_and_drafts_exactly(tiny, data_dir, tmp
     for p in PROMPTS[:2]:
         ids = tiny.tokenizer.encode(p)
         assert sd.generate(ids, 40, ignore_eos=True).tokens == Decoder(tiny).generate(ids, 40, ignore_eos=True).tokens
-    spec = speculative_config(ServingConfig(str(tiny.path), backend="vllm", spec=f"eagle:{out}", k=3,
-                                            max_model_len=256))
+    spec = speculative_config(ServingConfig(Config.parse(model=str(tiny.path), backend="vllm", spec=f"eagle:{out}",
+                                                         k=3), max_model_len=256))
     assert spec["method"] == "eagle" and spec["model"] == str(out)
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from evals.backends import open_backend
 from evals.backends.base import ServingConfig
+from evals.config import Config
 from evals.bench_api import run_benchmark
 from evals.loadgen import LoadSpec
 from runtime.loading import read_config
@@ -23,10 +24,10 @@ def test_vllm_loads_a_quantspec_head_and_stays_greedy_exact(default_model_dir, t
     """One- and two-layer heads (vLLM's EAGLE-1 loader builds num_hidden_layers layers, layer 0 without its input
     norm, as quantspec saves them)."""
     target = read_config(default_model_dir)
-    plain, _ = outputs(ServingConfig(backend="vllm", max_model_len=512))
+    plain, _ = outputs(ServingConfig(Config.parse(backend="vllm"), max_model_len=512))
     for layers in (1, 2):  # fc = [0 | I]: drafts a real token
         head = save_head(new_head(target, head_layers=layers), tmp_path / f"head{layers}",
                          head_config(target, head_layers=layers))
-        spec, res = outputs(ServingConfig(backend="vllm", spec=f"eagle:{head}", k=3, max_model_len=512))
+        spec, res = outputs(ServingConfig(Config.parse(backend="vllm", spec=f"eagle:{head}", k=3), max_model_len=512))
         assert res.summary["spec"]["drafts"] > 0 and res.summary["spec"]["draft_tokens"] > 0
         assert spec == plain

@@ -1,4 +1,5 @@
 """evaluate(): per-task results, reference comparison, fidelity and the on-disk cache (tiny random Llama)."""
+import functools
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from lm_eval.utils import make_table
 from evals import cache
 from evals.floor import Floor, check_floor
 from evals.build import build_native
+from evals.config import Config
 from evals.harness import EvalConfig, evaluate
 from runtime.errors import UserError
 
@@ -27,8 +29,8 @@ def _boom(config):
 
 
 def test_quantized_eval_reports_and_caches(home, tiny_llama_dir, monkeypatch):
-    config = EvalConfig(model=str(tiny_llama_dir), scheme="w4g32-sym", tasks=("arc_easy", "piqa"), limit=6,
-                        floor="0.5", fidelity_windows=1, fidelity_ctx=64)
+    config = EvalConfig(Config.parse(model=str(tiny_llama_dir), scheme="w4g32-sym", dtype="fp32"),
+                        tasks=("arc_easy", "piqa"), limit=6, floor="0.5", fidelity_windows=1, fidelity_ctx=64)
     builds = []
     monkeypatch.setattr("evals.harness.build_native", lambda point, **kw: builds.append(point) or build_native(point, **kw))
     first = evaluate(config)
@@ -78,8 +80,54 @@ def test_fidelity_ppl_matches_perplexity_module(home, tiny_llama_dir):
     assert stats.ppl_ref == pytest.approx(ppl.ppl, rel=1e-4) and stats.n_tokens == ppl.n_tokens
 
 
-@pytest.mark.parametrize("kwargs, match", [({"limit": 0}, "limit"), ({"floor": "1.5"}, "floor"),
-                                           ({"backend": "tgi"}, "backend"), ({"tasks": ""}, "tasks")])
-def test_bad_config(kwargs, match):
+@pytest.mark.parametrize("point, run, match", [({}, {"limit": 0}, "limit"), ({}, {"floor": "1.5"}, "floor"),
+                                               ({"backend": "tgi"}, {}, "backend"), ({}, {"tasks": ""}, "tasks")])
+def test_bad_config(point, run, match):
     with pytest.raises(UserError, match=match):
-        EvalConfig(**kwargs)
+        EvalConfig(Config.parse(**point), **run)
+
+
+def _counting_builds(monkeypatch) -> list:
+    """Every ``build_native`` the harness makes, in order (the points it built)."""
+    builds = []
+
+    def counting(point, **kw):
+        builds.append(point)
+        return build_native(point, **kw)
+
+    monkeypatch.setattr("evals.harness.build_native", counting)
+    return builds
+
+
+EVAL_ARGS = ("--scheme", "w8ch-sym", "--kv", "k8tok-v8tok", "--tasks", "arc_easy", "--limit", "3",
+             "--fidelity-windows", "1")
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+def test_eval_cli_builds_the_parsed_config_once(home, tiny_llama_dir, monkeypatch, dtype):
+    """`quantspec eval` options -> ``Config.parse`` -> the one build: the quantized point is built exactly once
+    (scoring and fidelity share it), the reference once beside it, and what is built equals ``Config.parse`` of
+    the options: bf16 unless --dtype says otherwise."""
+    from test_cli_errors import run_main
+
+    builds = _counting_builds(monkeypatch)
+    proc = run_main("eval", str(tiny_llama_dir), *EVAL_ARGS, *(("--dtype", dtype) if dtype else ()))
+    assert proc.returncode == 0, proc.stderr
+    expected = Config.parse(model=str(tiny_llama_dir), scheme="w8ch-sym", kv="k8tok-v8tok",
+                            **({"dtype": dtype} if dtype else {}))
+    assert expected.dtype == (dtype or "bf16")
+    assert builds == [expected, Config(model=str(tiny_llama_dir), dtype=expected.dtype)]
+    assert builds.count(expected) == 1 and builds[0].kv_spec.label == expected.kv_spec.label
+
+
+def test_build_counter_counts_every_build(home, tiny_llama_dir, monkeypatch):
+    """Negative control of the test above: without the per-evaluate build cache, scoring and fidelity each build
+    the quantized point, and the counter sees both (so "exactly once" there is a real measurement)."""
+    import evals.harness as harness
+    from test_cli_errors import run_main
+
+    builds = _counting_builds(monkeypatch)
+    monkeypatch.setattr(harness, "_built", functools.lru_cache(maxsize=0)(harness._built.__wrapped__))  # no reuse
+    proc = run_main("eval", str(tiny_llama_dir), *EVAL_ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert builds.count(Config.parse(model=str(tiny_llama_dir), scheme="w8ch-sym", kv="k8tok-v8tok")) == 2

@@ -12,7 +12,7 @@ PAIRS = [("Question: abc\nAnswer:", " yes"), ("Question: abc\nAnswer:", " no way
 def lms(tiny_llama_dir):
     from lm_eval.models.huggingface import HFLM
 
-    return NativeLM(pretrained=str(tiny_llama_dir)), HFLM(pretrained=str(tiny_llama_dir), device="cpu",
+    return NativeLM(pretrained=str(tiny_llama_dir), dtype="fp32"), HFLM(pretrained=str(tiny_llama_dir), device="cpu",
                                                           batch_size=4, dtype="float32")
 
 
@@ -80,7 +80,7 @@ def test_registered_as_lm_eval_model(tiny_llama_dir, data_dir):
 
 
 def test_kv_quantized_scores_do_not_depend_on_prefix_reuse(tiny_llama_dir):
-    quant = NativeLM(pretrained=str(tiny_llama_dir), kv="k4tok-v4tok")
+    quant = NativeLM(pretrained=str(tiny_llama_dir), kv="k4tok-v4tok", dtype="fp32")
     ctx = quant.tok_encode("Question: which answer is right?\nAnswer:")
     first, second = (None, ctx, quant.tok_encode(" yes")), (None, ctx, quant.tok_encode(" no"))
     after_reuse = quant._loglikelihood_tokens([first, second], disable_tqdm=True)[1][0]

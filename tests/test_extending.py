@@ -82,7 +82,7 @@ def test_api_runs_the_toy_method_proposer_and_backend(plugin, tiny_llama_dir):
     record = quantspec.measure_acceptance(lm, "tiny", "toyrepeat", [2], ["abcabcabc abc"], "inline", 8)
     assert record.results["proposer"] == "toyrepeat" and record.results["rows"][0]["greedy_equal"] == 1
 
-    config = quantspec.ServingConfig(model=str(tiny_llama_dir), backend="toy", max_model_len=200)
+    config = quantspec.ServingConfig(quantspec.Config.parse(model=str(tiny_llama_dir), backend="toy"), max_model_len=200)
     runs = quantspec.benchmark([config], [quantspec.LoadSpec.closed(1)], num_prompts=2, output_len=3)
     assert len(runs) == 1 and not runs[0].failed and runs[0].record.engine.backend == "toy"
 

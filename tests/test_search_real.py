@@ -8,7 +8,8 @@ from runtime.measure import SpeedProtocol
 from studies.objective import get_evaluator
 from studies.pareto import footer_lines, summarize
 from studies.search import SearchSettings, open_study, run_search
-from studies.space import SearchSpace, TrialConfig
+from evals.config import Config
+from studies.space import SearchSpace
 
 pytestmark = [pytest.mark.integration, pytest.mark.data]
 
@@ -23,7 +24,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
                         k=(2, 2))
     settings = SearchSettings(space=space, floor="0.9", n_trials=3, study_name="real", create=True,
                               study_dir=tmp_path, sampler="random", exact_fraction=1.0)
-    spec = TrialConfig(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
+    spec = Config(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
     open_study(settings).enqueue_trial(SearchSpace.params_of(spec))
     evaluator = get_evaluator("real", limit=12, num_prompts=1, output_len=24, fidelity_windows=1,
                               protocol=FEW_ROUNDS)
@@ -87,9 +88,9 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
     assert measurements(log, "quality") == stored  # each transformation measured once between the two workers
 
     def feasible(study) -> dict[str, bool]:
-        return {TrialConfig(**r.config).quality_key: r.feasible for r in summarize(study).measured}
+        return {Config(**r.config).quality_key: r.feasible for r in summarize(study).measured}
 
     one, both = feasible(load(sqlite_url)), feasible(two)
     common = one.keys() & both.keys()
-    assert TrialConfig(model="default").quality_key in common  # the reference is trial 0 of both
+    assert Config(model="default").quality_key in common  # the reference is trial 0 of both
     assert {k: one[k] for k in common} == {k: both[k] for k in common}

@@ -6,7 +6,7 @@ from runtime.errors import UserError
 
 def backend_class(config: ServingConfig) -> type[Backend]:
     """The backend class for ``config`` after its cheap checks (nothing is started)."""
-    cls = BACKENDS.get(config.backend)
+    cls = BACKENDS.get(config.config.backend)
     reason = cls.check(config)
     if reason:
         raise UserError(reason)

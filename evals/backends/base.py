@@ -11,12 +11,11 @@ from runtime.measure import Sample
 from runtime.registry import Registry
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class ServingConfig:
-    """A configuration point (``evals.config.Config``) plus run-only serving settings.
-
-    ``ServingConfig(config, temperature=..)``, or from strings as before: ``ServingConfig(model=.., scheme=..,
-    kv=.., spec=.., k=.., backend=..)`` parses them once into the ``Config``."""
+    """A configuration point (``evals.config.Config``, built by ``Config.parse`` from strings) plus the run-only
+    serving settings: ``ServingConfig(Config.parse(model=.., spec=.., k=..), temperature=..)``. What is served
+    is read from ``config`` itself (``config.config.kv``, ``.speculative``, ``.label``, ...)."""
 
     config: Config
     temperature: float = 0.0
@@ -24,54 +23,26 @@ class ServingConfig:
     threads: int | None = None
     port: int = 0  # vllm serve port for open-loop runs (0 = a free one); not part of the config's identity
 
-    def __init__(self, config: Config | None = None, *, temperature: float = 0.0, max_model_len: int = 1024,
-                 threads: int | None = None, port: int = 0, **point):
-        if isinstance(config, str):  # ServingConfig("model dir", ...) as before
-            config, point = None, {"model": config, **point}
-        if config is None:
-            config = Config.parse(**point)
-        elif point:
-            raise TypeError(f"pass either a Config or its strings, not both ({', '.join(point)})")
-        for name, value in (("config", config), ("temperature", temperature), ("max_model_len", max_model_len),
-                            ("threads", threads), ("port", port)):
-            object.__setattr__(self, name, value)
+    def __post_init__(self):
+        if not isinstance(self.config, Config):
+            raise TypeError(f"ServingConfig takes a Config (Config.parse(model=.., spec=..)), got {self.config!r}")
         if self.max_model_len < 16:
             raise UserError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
 
-    # read-only views of the configuration point
-    model = property(lambda self: self.config.model)
-    backend = property(lambda self: self.config.backend)
-    kv = property(lambda self: self.config.kv)
-    k = property(lambda self: self.config.k)
-    speculative = property(lambda self: self.config.speculative)
-    spec_label = property(lambda self: self.config.spec_label)
-
-    @property
-    def scheme(self) -> str:
-        return self.config.scheme_label
-
-    @property
-    def method(self) -> str:
-        return self.config.method or "rtn"
-
-    @property
-    def spec(self) -> str | None:
-        return self.config.proposer if self.speculative else None
-
     def without_spec(self) -> "ServingConfig":
+        """The same serving run without speculation (a speculative run's speedup baseline)."""
         return replace(self, config=self.config.without_spec())
 
-    @property
-    def label(self) -> str:
-        return f"{self.backend}/{self.scheme}/kv={self.kv}/{self.spec_label}"
-
     def to_dict(self) -> dict:
-        return {"model": self.model, "scheme": self.scheme, "method": self.method, "kv": self.kv, "spec": self.spec,
-                "k": self.k, "backend": self.backend, "temperature": self.temperature,
-                "max_model_len": self.max_model_len, "threads": self.threads, "port": self.port,
-                "config": self.config.to_dict()}
+        """As recorded (RunRecord.engine.config["serving_config"]): the point's fields as ``Config`` holds them,
+        ``spec`` (the proposer, None without speculation) and ``k``, the run settings, ``Config.to_dict``."""
+        c = self.config
+        return {"model": c.model, "scheme": c.scheme_label, "method": c.method, "kv": c.kv,
+                "spec": c.proposer if c.speculative else None, "k": c.k, "backend": c.backend,
+                "temperature": self.temperature, "max_model_len": self.max_model_len, "threads": self.threads,
+                "port": self.port, "config": c.to_dict()}
 
 
 @dataclass

@@ -47,7 +47,7 @@ class NativeBackend(Backend):
         self.threads = apply_threads(self.lm.model, config.threads)
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
         self.decoder = self._decoder(built.cache_factory)
-        self.counters = SpecCounters() if config.speculative else None
+        self.counters = SpecCounters() if point.speculative else None
 
     @classmethod
     def check(cls, config: "Config | ServingConfig") -> str | None:
@@ -55,18 +55,17 @@ class NativeBackend(Backend):
         if point.speculative and point.kv_spec is not None:
             return (f"native speculative decoding keeps a bf16 KV cache: drop --kv {point.kv} or --spec "
                     "(or use --backend vllm, which speculates over an fp8 KV cache)")
-        if point.weights == "none" and point.activations != "none":
-            return f"activation quantization ({point.activations}) needs a weight scheme, e.g. w8ch-sym"
         return None
 
     def _decoder(self, cache_factory):
-        if not self.config.speculative:
+        point = self.config.config
+        if not point.speculative:
             return Decoder(self.lm, self.config.max_model_len, cache_factory)
-        proposer = build_proposer(self.config.config.proposer_spec, self.lm)
-        return SpeculativeDecoder(self.lm, proposer, self.config.k, self.sampling, self.config.max_model_len)
+        proposer = build_proposer(point.proposer_spec, self.lm)
+        return SpeculativeDecoder(self.lm, proposer, point.k, self.sampling, self.config.max_model_len)
 
     def _generate(self, request: Request):
-        if self.config.speculative:
+        if self.config.config.speculative:
             return self.decoder.generate(request.prompt_ids, request.max_tokens, request.ignore_eos)
         return self.decoder.generate(request.prompt_ids, request.max_tokens, self.sampling, request.ignore_eos)
 
@@ -74,12 +73,13 @@ class NativeBackend(Backend):
         return self.lm.tokenizer
 
     def engine_config(self) -> dict:
+        point = self.config.config
         return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16",
                 "attention": self.lm.model.attn_implementation, "scheme": self.scheme_info,
-                "method": self.config.method if self.quant_report else None,
+                "method": point.method if self.quant_report else None,
                 "kernels": self.quant_report.kernels if self.quant_report else None,
-                "kernels_run": kernels_used(self.lm.model), "kv": self.config.kv,
-                "spec": self.config.spec_label, "max_len": self.config.max_model_len,
+                "kernels_run": kernels_used(self.lm.model), "kv": point.kv,
+                "spec": point.spec_label, "max_len": self.config.max_model_len,
                 "threads": torch.get_num_threads(), "thread_choice": self.threads.to_dict(),
                 "batching": self.batching}
 

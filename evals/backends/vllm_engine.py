@@ -99,14 +99,15 @@ def vllm_eagle_head(arg: str) -> str:
 
 def engine_kwargs(config: ServingConfig) -> dict:
     """Everything passed to ``vllm.LLM`` / ``vllm serve`` for this configuration."""
-    kwargs = {"model": str(resolve_model(config.model)), "dtype": "bfloat16", "enforce_eager": True,
+    point = config.config
+    kwargs = {"model": str(resolve_model(point.model)), "dtype": "bfloat16", "enforce_eager": True,
               "max_model_len": config.max_model_len, "disable_log_stats": False, "seed": 0}
-    if config.scheme != "none":
+    if point.scheme_label != "none":
         check_scheme(config)
         kwargs["model"] = str(exported_checkpoint(config))
         kwargs["quantization"] = "compressed-tensors"
-    if vllm_kv_cache_dtype(config.config.kv_spec) != "auto":
-        kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(config.config.kv_spec)
+    if vllm_kv_cache_dtype(point.kv_spec) != "auto":
+        kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(point.kv_spec)
     spec = speculative_config(config)
     if spec:
         kwargs["speculative_config"] = spec
@@ -210,8 +211,6 @@ class VllmBackend(Backend):
         try:
             speculative_config(config)
             vllm_kv_cache_dtype(point.kv_spec)
-            if point.weights == "none" and point.activations != "none":
-                return f"activation quantization ({point.activations}) needs a weight scheme, e.g. w8ch-sym"
             if point.quantized_weights:
                 check_scheme(point)
             if point.needs_w8a8_path:
@@ -232,7 +231,7 @@ class VllmBackend(Backend):
             try:
                 self._llm = LLM(**self.kwargs)
             except Exception as exc:  # engine start failure: one line, no traceback
-                raise UserError(f"vLLM engine failed to start for {self.config.label}: "
+                raise UserError(f"vLLM engine failed to start for {self.config.config.label}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
             finally:
                 self._engine_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
@@ -252,7 +251,7 @@ class VllmBackend(Backend):
 
     def engine_config(self) -> dict:
         return {"engine": "vllm", **self.kwargs,
-                "kernel": check_scheme(self.config) if self.config.scheme != "none" else "bf16",
+                "kernel": check_scheme(self.config) if self.config.config.scheme_label != "none" else "bf16",
                 "env": {k: os.environ.get(k) for k in ENGINE_ENV}, "batching": self.batching,
                 "prefix_caching": "vLLM default (enabled); warm-up prompts are distinct from measured prompts"}
 
@@ -311,7 +310,7 @@ class VllmBackend(Backend):
         return "vllm serve" if load_kind == "open" else "in-process LLM"
 
     def spec_counters(self, load_kind: str = "closed") -> SpecCounters | None:
-        if not self.config.speculative:
+        if not self.config.config.speculative:
             return None
         if load_kind == "open":
             return self.server.spec_counters()

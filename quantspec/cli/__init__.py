@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-from runtime.errors import UserError
+from quantspec import UserError
 from quantspec.cli.app import app
 from quantspec.cli import cmd_model, cmd_generate, cmd_search, cmd_bench, cmd_specdec, cmd_eval, cmd_quant, cmd_train, cmd_dashboard  # noqa: F401  (register commands)
 

@@ -3,15 +3,22 @@
 Names follow the tools users know where those have one: lm-eval (``--model/-m``, ``--num-fewshot``, ``--limit/-L``,
 ``--output-path/-o``) and ``vllm bench serve`` (``--num-prompts/-n``, ``--request-rate``, ``--max-concurrency``,
 ``--goodput``, ``--dataset-name``); docs/cli.md lists every flag with the anchor's spelling beside it."""
+import logging
+
 import typer
 
-from runtime.errors import UserError
-from runtime.loading import DEFAULT_DTYPE
+from quantspec import DEFAULT_DTYPE, UserError
+from quantspec.report import set_verbosity
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="quantspec: quantize, speculate, and score speed per effective token against quality. "
                        "Extensions: QUANTSPEC_PLUGINS=mod1,mod2 or --plugin MOD (before the command) imports "
                        "modules that register methods, proposers, backends.")
+
+
+def flag(*names: str, help: str) -> typer.models.OptionInfo:
+    """A boolean option shown as a flag (no ``<bool>`` type column in --help)."""
+    return typer.Option(False, *names, help=help, metavar="")
 
 
 def _version(show: bool) -> None:
@@ -26,8 +33,16 @@ def _version(show: bool) -> None:
 
 @app.callback()
 def _options(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, metavar="",
-                                               help="Print the version and exit.")) -> None:
+                                               help="Print the version and exit."),
+             quiet: bool = flag("--quiet", "-q", help="Results and errors only: no progress bars, notes or file lines."),
+             verbose: bool = flag("--verbose", "-v", help="Also the libraries' own logs and progress bars (lm-eval, "
+                                                          "transformers, optuna).")) -> None:
     """Options before any command."""
+    if quiet and verbose:
+        raise UserError("pass -q or -v, not both")
+    set_verbosity(-1 if quiet else 1 if verbose else 0)
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
 
 model_app = typer.Typer(no_args_is_help=True, help="Fetch and inspect models.")
@@ -51,11 +66,6 @@ DatasetOption = typer.Option("spec_bench", "--dataset-name", help="Prompts: spec
 KOption = typer.Option("1,2,4,8", "--k", help="Draft lengths: a list 1,2,4,8, a range 1-8, or both (1-4,8); 1..32.")
 CompileOption = typer.Option(False, "--compile/--no-compile", metavar="", help="Decode through torch.compile'd steps (one-token, "
                              "and speculation's K+1-token verification; each compiles on first use; prefill eager).")
-
-
-def flag(*names: str, help: str) -> typer.models.OptionInfo:
-    """A boolean option shown as a flag (no ``<bool>`` type column in --help)."""
-    return typer.Option(False, *names, help=help, metavar="")
 
 
 def pick_model(positional: str | None, option: str | None) -> str:

@@ -1,15 +1,14 @@
-"""``quantspec dashboard``: optuna-dashboard on a study's storage (studies/dashboard.py), until Ctrl-C.
-
-The study module is imported inside the command: it needs optuna, and the CLI starts without it."""
+"""``quantspec dashboard``: optuna-dashboard on a study's storage (studies/dashboard.py), until Ctrl-C."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+import quantspec
+from quantspec import DEFAULT_STUDY_DIR
 from quantspec.cli.app import app
-from studies.defaults import DEFAULT_STUDY_DIR, require_optuna
+from quantspec.report import console
 
 
 @app.command()
@@ -21,13 +20,8 @@ def dashboard(
     port: int = typer.Option(8080, help="Port to listen on (0: a free one, printed)."),
 ):
     """optuna-dashboard on the search's storage: trials, objectives (tok_s, quality), history, Pareto front."""
-    require_optuna("quantspec dashboard")
-    from studies.dashboard import open_dashboard
-    from studies.storage import shown_url
-
-    server = open_dashboard(storage, study_dir, host, port)
-    console = Console()
-    console.print(f"optuna-dashboard on {shown_url(server.storage)}: [bold]{server.url}[/] (Ctrl-C stops it)",
+    server = quantspec.dashboard(storage, study_dir, host, port)
+    console.print(f"optuna-dashboard on {quantspec.study_url(server.storage)}: [bold]{server.url}[/] (Ctrl-C stops it)",
                   soft_wrap=True)
     try:
         server.serve_forever()

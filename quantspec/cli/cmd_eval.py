@@ -2,84 +2,11 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from evals.compare_backends import BackendComparison, compare_backends
-from evals.harness import EvalConfig, EvalReport, evaluate
-from evals.record import write_json_atomic
+import quantspec
+from quantspec import Config, EvalConfig
 from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, ModelOption, app, flag, pick_model
-from runtime.model_store import caveat_applies
-
-console = Console()
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
-
-
-def print_report(report: EvalReport) -> None:
-    cfg = report.config
-    metric = cfg["metric"]
-    title = (f"{cfg['model']} scheme={cfg['scheme'] or 'dense'} method={cfg['method'] if cfg['scheme'] else '-'} "
-             f"kv={cfg['kv'] or 'dense'} backend={cfg['backend']} limit={cfg['limit']} fewshot={cfg['fewshot']}")
-    table = Table(title=title)
-    for col in ("task", "n", f"{metric} % ± se", f"ref {metric} %", f"Δ pts [{cfg['confidence']:.0%} CI]",
-                "flips (-lost/+gained)", "floor margin lo", "cached"):
-        table.add_column(col, justify="right")
-    for task, res in report.tasks.items():
-        value, stderr = res.value(metric)
-        ref_value = report.reference[task].value(metric)[0] if task in report.reference else None
-        comp = report.comparison.get(task)
-        table.add_row(
-            task, str(res.n), f"{_pct(value)} ± {_pct(stderr)}", _pct(ref_value),
-            f"{100 * comp.delta:+.1f} [{100 * comp.delta_ci[0]:+.1f}, {100 * comp.delta_ci[1]:+.1f}]" if comp else "-",
-            f"{comp.flips.total} (-{comp.flips.lost}/+{comp.flips.gained})" if comp else "-",
-            f"{100 * comp.margin_ci[0]:+.1f}" if comp and cfg["floor"] else "-",
-            "yes" if res.cached else "no",
-        )
-    console.print(table)
-    if report.fidelity:
-        f = report.fidelity
-        console.print(f"WikiText-2 fidelity vs reference ({f.n_tokens} tokens): KL mean {f.mean_kl:.4f} / p99 "
-                      f"{f.p99_kl:.4f} nats, top-1 agreement {100 * f.top1_agreement:.1f}%, PPL {f.ppl_test:.2f} "
-                      f"(reference {f.ppl_ref:.2f})")
-    colour = {"pass": "green", "fail": "red"}.get(report.verdict, "yellow")
-    floor = report.record.metric.correctness
-    console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
-    undecided = report.comparison if report.verdict == "undecidable" else {}
-    for task, c in ((t, c) for t, c in undecided.items() if not c.decidable):
-        more = f"about {c.items_to_decide} items (--limit) would decide it" if c.items_to_decide else \
-            "no number of items decides it: only a configuration beating the reference could pass"
-        console.print(f"  {task}: at n={c.n} even answers equal to the reference's on every item could not "
-                      f"pass {c.floor}; {more}")
-    four_bit = caveat_applies(report.record.to_dict())
-    for note in report.notes:
-        if four_bit or not note.startswith("default model:"):  # the Q4_1 note only beside 4-bit results
-            console.print(f"[yellow]note:[/] {note}")
-
-
-def print_comparison(comparison: BackendComparison, show: int = 10) -> None:
-    first, second = comparison.backends
-    cfg = comparison.config
-    table = Table(title=f"{cfg['model']} weights={cfg.get('weights')} activations={cfg.get('activations')} "
-                        f"dtype={cfg.get('dtype', 'bf16')}: {first} vs {second}, same weights and items "
-                        f"({cfg['checkpoint']})")
-    for col in ("task", "n", f"{first} %", f"{second} %", "answers differ", f"only {first} right",
-                f"only {second} right", "McNemar p"):
-        table.add_column(col, justify="right")
-    for task, d in comparison.tasks.items():
-        table.add_row(task, str(d.n), _pct(d.accuracy[0]), _pct(d.accuracy[1]), str(d.disagree),
-                      str(d.only_first), str(d.only_second), f"{d.mcnemar_p:.3g}")
-    console.print(table)
-    for task, d in comparison.tasks.items():
-        for diff in d.diffs[:show]:
-            where = (f", first diverging token #{diff.diverge_at}: {diff.diverging_tokens[0]!r} vs "
-                     f"{diff.diverging_tokens[1]!r}" if diff.diverging_tokens else "")
-            console.print(f"  {task} doc {diff.doc_id}: {first} {diff.answers[0]!r} ({diff.correct[0]:g}) vs "
-                          f"{second} {diff.answers[1]!r} ({diff.correct[1]:g}){where}", markup=False)
-        if d.disagree > show:
-            console.print(f"  {task}: {d.disagree - show} more differing items in --json")
+from quantspec.report import note, print_backend_comparison, print_eval_report
 
 
 @app.command("eval")
@@ -112,13 +39,13 @@ def eval_command(
 ):
     """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
     model = pick_model(model, model_option)
-    config = EvalConfig(model=model, scheme=scheme, method=method, kv=kv, backend=backend, smoothquant=smoothquant,
-                        tasks=tasks, limit=limit,
-                        fewshot=fewshot, floor=floor, confidence=confidence, seed=seed, data_dir=data_dir,
-                        include_path=tuple(include_path), dtype=dtype, reference=not no_reference, reference_model=reference_model,
-                        fidelity_windows=fidelity_windows)
-    result = compare_backends(config) if compare else evaluate(config)
-    (print_comparison if compare else print_report)(result)
+    point = Config.parse(model=model, scheme=scheme, method=method, kv=kv, backend=backend, smoothquant=smoothquant,
+                         dtype=dtype)
+    config = EvalConfig(point, tasks=tasks, limit=limit, fewshot=fewshot, floor=floor, confidence=confidence,
+                        seed=seed, data_dir=data_dir, include_path=tuple(include_path), reference=not no_reference,
+                        reference_model=reference_model, fidelity_windows=fidelity_windows)
+    result = quantspec.compare_backends(config) if compare else quantspec.evaluate(config)
+    (print_backend_comparison if compare else print_eval_report)(result)
     if json_out:
-        write_json_atomic(json_out, result.to_json())
-        console.print(f"results: {json_out}")
+        quantspec.write_json(json_out, result.to_json())
+        note(f"results: {json_out}")

@@ -1,23 +1,11 @@
-"""``quantspec generate`` and ``quantspec demo``."""
+"""``quantspec generate`` (one answer with a speed line) and ``quantspec demo`` (the main job on the default model)."""
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
 import quantspec
-from runtime.loading import DEFAULT_DTYPE
-from quantspec.report import print_decode_comparison
-from runtime.compiled import DEFAULT_MODE
-from runtime.generate import Decoder, encode_prompt
-from runtime.sampling import SamplingConfig
-from runtime.hardware import hardware_line
-from runtime.threads import apply_threads
 from quantspec.cli.app import CompileOption, DeviceOption, DtypeOption, ModelArgument, ModelOption, app, flag, pick_model
-from evals.decode_speed import compare_decode
-from quantspec.cli.cmd_search import demo_search
-from studies.defaults import require_optuna
-
-console = Console()
+from quantspec.report import console, note, print_answer, print_decode_comparison, print_study, search_with_progress
 
 
 @app.command()
@@ -40,25 +28,10 @@ def generate(
     compile: bool = CompileOption,
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
-    answer(prompt, pick_model(model, model_option), dtype, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), threads,
-           chat=False if no_chat else None, attention=attention, compile_mode=DEFAULT_MODE if compile else None,
-           device=device)
-
-
-def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_new_tokens: int = 128,
-           sampling: SamplingConfig = SamplingConfig(), threads: int | None = None, chat: bool | None = None,
-           attention: str = "sdpa", compile_mode: str | None = None, device: str = "cpu") -> None:
-    """Print the native runtime's answer, then one speed line naming the precision, attention, the device, the
-    decode step (eager or compiled), the kernels that ran and this machine's ISA (with any fallback)."""
-    lm = quantspec.load(model, dtype, threads, attention, device)
-    choice = apply_threads(lm.model, threads)
-    ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
-    decoder = Decoder(lm, max_len=len(ids) + max_new_tokens + 1, compile_mode=compile_mode)
-    result = decoder.generate(ids, max_new_tokens, sampling)
-    step = "eager step" if decoder.step is None or decoder.step.fallback else f"compiled step ({compile_mode})"
-    console.print(result.text)
-    console.print(f"[dim]{result.summary()} | native {lm.precision} on {lm.device}, {attention} attention, {step}, "
-                  f"{choice.line()}, {hardware_line(lm.model)}[/]")
+    print_answer(quantspec.generate(prompt, pick_model(model, model_option), dtype, max_new_tokens,
+                                    quantspec.SamplingConfig(temperature, top_k, top_p, seed), threads,
+                                    chat=False if no_chat else None, attention=attention,
+                                    compile_mode=quantspec.DEFAULT_COMPILE_MODE if compile else None, device=device))
 
 
 @app.command()
@@ -68,10 +41,15 @@ def demo(
 ):
     """The main job on the default model: answer a question, native vs HF decode speed, then a small
     speed/quality search (studies/spaces/demo.yaml) and its Pareto table."""
-    require_optuna("quantspec demo")  # before the first part, not after it
-    answer("What is the capital of France?", dtype="fp32", max_new_tokens=32)  # beside the fp32 HF comparison
-    record = compare_decode("default", "fp32", new_tokens=output_len, repeats=1)
+    quantspec.require_optuna("quantspec demo")  # before the first part, not after it
+    # fp32, beside the fp32 HF comparison
+    print_answer(quantspec.generate("What is the capital of France?", dtype="fp32", max_new_tokens=32))
+    record = quantspec.compare_decode("default", "fp32", new_tokens=output_len, repeats=1)
     print_decode_comparison(record)
     record.write(out)
-    console.print(f"run record: {out}")
-    demo_search()
+    note(f"run record: {out}")
+    console.rule("speed/quality search (studies/spaces/demo.yaml)")
+    outcome = search_with_progress(*quantspec.demo_settings())
+    demo_dir = quantspec.DEMO_DIR
+    print_study(quantspec.summarize(outcome.study), demo_dir / "pareto.csv", demo_dir / "pareto.png",
+                demo_dir / "pareto.json")

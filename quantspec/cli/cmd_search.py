@@ -4,38 +4,21 @@ The study modules are imported inside the commands: they need optuna, and the CL
 machine has none), where these commands answer one line."""
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from runtime.errors import UserError
+import quantspec
+from quantspec import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, UserError, require_optuna
 from quantspec.cli.app import DataDirOption, app, flag
-from specdec.sweep import parse_ks
-from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, require_optuna
-from studies.objective import get_evaluator
-from studies.space import load_space
-from runtime.measure import SpeedProtocol
-
-if TYPE_CHECKING:
-    from studies.pareto import StudySummary
-    from studies.search import SearchSettings
-
-
-def _console() -> Console:
-    """Wide enough for the table when output is not a terminal (logs, README captures)."""
-    return Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS", 180)))
+from quantspec.report import console, print_study, search_with_progress
 
 
 def _k_range(text: str | None) -> list[int] | None:
     """``--k`` in the grammar of every command, as the search's [low, high] (it samples K from a range)."""
     if text is None:
         return None
-    ks = parse_ks(text)
+    ks = quantspec.parse_ks(text)
     if ks != list(range(ks[0], ks[-1] + 1)):
         raise UserError(f"search samples K from a range: use LOW-HIGH, e.g. --k {ks[0]}-{ks[-1]}, not {text!r}")
     return [ks[0], ks[-1]]
@@ -43,35 +26,6 @@ def _k_range(text: str | None) -> list[int] | None:
 
 def _split(text: str | None) -> list[str] | None:
     return None if text is None else [p.strip() for p in text.split(",") if p.strip()]
-
-
-def search_with_progress(settings: SearchSettings, evaluator, console: Console):
-    """``run_search`` under a rich progress bar showing the study-wide finished count and the last trial."""
-    from studies.search import finished_trials, run_search
-
-    with Progress(TextColumn("[bold]search[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console) as bar:
-        task = bar.add_task("starting", total=settings.n_trials)
-
-        def on_trial(study, trial):
-            attrs = trial.user_attrs
-            what = attrs.get("pruned_reason") or attrs.get("error") or \
-                (f"{attrs['speed']['tok_s']:.1f} tok/s" if "speed" in attrs else "")
-            bar.update(task, completed=len(finished_trials(study)),
-                       description=f"#{trial.number} {attrs.get('label', '')}: {trial.state.name.lower()} {what}"[:100])
-
-        return run_search(settings, evaluator, on_trial=on_trial, on_wait=bar.console.print)
-
-
-def report(summary: StudySummary, console: Console, csv: str | None, png: str | None, json_out: str | None) -> None:
-    from studies.pareto import footer_lines, rich_table, write_csv, write_json, write_png
-
-    console.print(rich_table(summary))
-    for line in footer_lines(summary):
-        console.print(f"[dim]{line}[/]")
-    for path, writer in ((csv, write_csv), (png, write_png), (json_out, write_json)):
-        if path:
-            console.print(f"wrote {writer(summary, path)}")
 
 
 @app.command()
@@ -126,31 +80,26 @@ def search(
 ):
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
     require_optuna("quantspec search")
-    from studies.pareto import summarize
-    from studies.search import SearchSettings
-    from studies.storage import shown_url, storage_url
-
     overrides = {"model": model, "backends": _split(backends), "weights": _split(weights), "methods": _split(methods),
                  "activations": _split(activations), "kv": _split(kv), "proposers": _split(proposers), "k": _k_range(k)}
     given = space is not None or any(v is not None for v in overrides.values())
-    settings = SearchSettings(
-        space=load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,
+    settings = quantspec.SearchSettings(
+        space=quantspec.load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,
         mode=mode, sampler=sampler, seed=seed, study_name=study_name, storage=storage, study_dir=study_dir,
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout, heartbeat_s=heartbeat,
         grace_s=grace, length_band=length_band)
-    console = _console()
-    trial_evaluator = get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
+    trial_evaluator = quantspec.get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
                                     output_len=new_tokens, threads=threads,
-                                    protocol=SpeedProtocol(threshold=noise_threshold))
-    outcome = search_with_progress(settings, trial_evaluator, console)
+                                    protocol=quantspec.SpeedProtocol(threshold=noise_threshold))
+    outcome = search_with_progress(settings, trial_evaluator)
     if outcome.recovered:
         console.print(f"re-queued trial(s) {outcome.recovered} left RUNNING by a dead worker (marked FAIL)")
     if outcome.lost:
         console.print(f"trial(s) {outcome.lost} of this worker were taken for dead by another worker (no heartbeat "
                       "within --grace) and re-queued; their results were dropped: raise --grace if this recurs")
-    console.print(f"study {outcome.study.study_name!r} in {shown_url(storage_url(storage, study_dir))}; this worker ran "
+    console.print(f"study {outcome.study.study_name!r} in {quantspec.study_url(storage, study_dir)}; this worker ran "
                   f"{outcome.ran} trial(s)")
-    report(summarize(outcome.study), console, csv, png, json_out)
+    print_study(quantspec.summarize(outcome.study), csv, png, json_out)
 
 
 @app.command()
@@ -164,30 +113,4 @@ def pareto(
                                  help="Write the table as JSON."),
 ):
     """The speed/quality table of a study, sorted by speed, Pareto-optimal rows marked."""
-    require_optuna("quantspec pareto")
-    from studies.pareto import load_summary
-    from studies.storage import storage_url
-
-    if storage is None and not (study_dir / "study.db").exists():
-        raise UserError(f"no study storage at {study_dir / 'study.db'}: pass --storage URL or run `quantspec search`")
-    report(load_summary(storage_url(storage, study_dir), study_name), _console(), csv, png, json_out)
-
-
-DEMO_DIR = Path("runs/demo")
-
-
-def demo_search(n_trials: int = 8, data_dir: str | None = None, threads: int | None = None) -> StudySummary:
-    """The small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the default model, floor 0.9 of the
-    reference's arc_easy accuracy on 50 items, a fresh study in runs/demo/study.db, then the table, CSV, JSON and
-    PNG under runs/demo/."""
-    from studies.pareto import summarize
-    from studies.search import SearchSettings
-
-    console = _console()
-    console.rule("speed/quality search (studies/spaces/demo.yaml)")
-    settings = SearchSettings(space=load_space("demo"), floor="0.9", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
-    evaluator = get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads)
-    outcome = search_with_progress(settings, evaluator, console)
-    summary = summarize(outcome.study)
-    report(summary, console, str(DEMO_DIR / "pareto.csv"), str(DEMO_DIR / "pareto.png"), str(DEMO_DIR / "pareto.json"))
-    return summary
+    print_study(quantspec.pareto(storage, study_name, study_dir), csv, png, json_out)

@@ -5,25 +5,13 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 import quantspec
-from evals.record import write_json_atomic
-from runtime.compiled import DEFAULT_MODE
-from runtime.data import load_prompts
-from runtime.sampling import SamplingConfig
-from specdec.lossless import ALPHA
-from specdec.sweep import parse_ks
+from quantspec import ALPHA, DEFAULT_COMPILE_MODE, SamplingConfig
 from quantspec.cli.app import (CompileOption, DataDirOption, DatasetOption, DeviceOption, DtypeOption, KOption,
                                ModelArgument, ModelOption, NumPromptsOption, OutputLenOption, OutputPathOption,
                                SpecOption, app, flag, pick_model)
-from quantspec.report import console, plot_sweep, print_sweep
-
-
-def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
+from quantspec.report import console, note, plot_sweep, print_lossless, print_sweep, progress
 
 
 @app.command()
@@ -51,22 +39,22 @@ def accept(
     """Acceptance (α, τ, per position) and speedup vs K of proposer --spec on MODEL, beside Leviathan's prediction."""
     model = pick_model(model, model_option)
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    ks = parse_ks(k)
-    texts = load_prompts(dataset, data_dir, num_prompts)
+    ks = quantspec.parse_ks(k)
+    texts = quantspec.load_prompts(dataset, data_dir, num_prompts)
     lm = quantspec.load(model, dtype, threads, "eager", device)
     proposer = quantspec.build_proposer(spec, lm)
-    with progress_bar() as bar:
+    with progress() as bar:
         task = bar.add_task("plain", total=len(texts) * (len(ks) + 1))
         record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, dataset, output_len, sampling,
                                               ignore_eos=not natural_eos,
                                               tick=lambda what: bar.update(task, advance=1, description=what),
-                                              compile_mode=DEFAULT_MODE if compile else None)
+                                              compile_mode=DEFAULT_COMPILE_MODE if compile else None)
     print_sweep(record)
     if json_out:
-        console.print(f"run record: {record.write(json_out)}")
+        note(f"run record: {record.write(json_out)}")
     if plot:
         plot_sweep(record, plot)
-        console.print(f"plot: {plot}")
+        note(f"plot: {plot}")
 
 
 @app.command("check-lossless")
@@ -98,32 +86,19 @@ def check_lossless(
     model = pick_model(model, model_option)
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     results = []
-    for one_k in parse_ks(k):
-        with progress_bar() as bar:
+    for one_k in quantspec.parse_ks(k):
+        with progress() as bar:
             task = bar.add_task(f"K={one_k}: greedy equality", total=num_prompts + prefixes * samples)
             result = quantspec.check_lossless(model, spec, one_k, dataset, num_prompts, output_len, samples, prefixes,
                                               synthetic_samples, sampling, dtype, threads, alpha, data_dir,
                                               tick=lambda what: bar.update(task, advance=1, description=f"K={one_k}: {what}"),
-                                              compile_mode=DEFAULT_MODE if compile else None)
+                                              compile_mode=DEFAULT_COMPILE_MODE if compile else None)
         print_lossless(result, one_k, alpha, num_prompts, output_len)
         results.append(result)
     if json_out:
-        write_json_atomic(json_out, results[0].record.to_dict() if len(results) == 1 else
+        quantspec.write_json(json_out, results[0].record.to_dict() if len(results) == 1 else
                           {"runs": [r.record.to_dict() for r in results]})
     if not all(r.passed for r in results):
         console.print("[red]lossless check FAILED[/]")
         sys.exit(1)
     console.print("[green]lossless check passed[/]")
-
-
-def print_lossless(result, k: int, alpha: float, num_prompts: int, output_len: int) -> None:
-    table = Table(title=f"check-lossless {result.label}, K={k}, {result.precision}, false alarm <= {alpha:g} per test")
-    for col in ("check", "result", "detail"):
-        table.add_column(col)
-    mismatches = result.mismatches
-    table.add_row("greedy == plain greedy", "FAIL" if mismatches else "ok",
-                  f"{num_prompts - len(mismatches)}/{num_prompts} prompts token-exact over {output_len} tokens"
-                  + (f"; first: {mismatches[0]}" if mismatches else ""))
-    for name, passed, detail in result.rows:
-        table.add_row(name, "info" if passed is None else "ok" if passed else "FAIL", detail)
-    console.print(table)

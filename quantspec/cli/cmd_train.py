@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TextColumn
 
 import quantspec
 from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, ModelOption, app, pick_model
-from quantspec.report import console
-from specdec.train_draft import parse_layers
+from quantspec.report import console, progress
 
 
 @app.command("train-draft")
@@ -54,10 +53,9 @@ def train_draft(
                                 draft_vocab=draft_vocab,
                                 train_seconds=train_seconds, seed=seed, ttt_steps=ttt_steps,
                                 n_context=context_prompts, context_len=context_len,
-                                fuse_layers=parse_layers(fuse_layers), head_layers=head_layers)
+                                fuse_layers=quantspec.parse_layers(fuse_layers), head_layers=head_layers)
     lm = quantspec.load(model, dtype, threads, "eager")
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[detail]}"), console=console, transient=True)
+    bar = progress(TextColumn("{task.fields[detail]}"))
     tasks: dict[str, int] = {}
 
     def progress(stage, done, total, detail):

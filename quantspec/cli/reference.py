@@ -28,7 +28,7 @@ class Anchor:
 
 
 ANCHORS = (
-    Anchor("lm-eval", "--model_args pretrained=M", "eval", "MODEL / --model, -m", "lm-eval's --model is the engine: our --backend"),
+    Anchor("lm-eval", "--model_args pretrained=M", "eval", "--model, -m (or MODEL)", "lm-eval's --model is the engine: our --backend"),
     Anchor("lm-eval", "--model", "eval", "--backend", "hf|vllm there; the model is MODEL / --model here"),
     Anchor("lm-eval", "--tasks", "eval", "--tasks"),
     Anchor("lm-eval", "-t", "eval", "--tasks"),
@@ -43,7 +43,7 @@ ANCHORS = (
     Anchor("lm-eval", "--batch_size", "eval", "-", "native scores at batch 1 reusing the shared prefix's KV cache; "
                                                     "vLLM batches itself (auto)"),
     Anchor("lm-eval", "--device", "eval", "-", "eval runs on the CPU; --device is on generate and accept"),
-    Anchor("vllm bench serve", "--model", "bench", "MODEL / --model, -m"),
+    Anchor("vllm bench serve", "--model", "bench", "--model, -m (or MODEL)"),
     Anchor("vllm bench serve", "--backend", "bench", "--backend", "our engines: native, vllm"),
     Anchor("vllm bench serve", "--num-prompts", "bench", "--num-prompts, -n"),
     Anchor("vllm bench serve", "--request-rate", "bench", "--request-rate", "a comma list runs each rate"),
@@ -105,13 +105,16 @@ def render() -> str:
         if not name:
             continue
         lines += [f"## `quantspec {name}`", "", (command.help or "").strip().split("\n\n")[0].replace("\n", " "), "",
-                  "| flag | default | what it sets |", "| --- | --- | --- |"]
+                  "| flag | default | what it sets | the neighbours' spelling |", "| --- | --- | --- | --- |"]
         for p in command.params:
             if p.param_type_name == "argument":
-                lines.append(f"| `{p.metavar or p.name.upper()}` (argument) | {_default(p)} | {_cell(getattr(p, 'help', ''))} |")
+                lines.append(f"| `{p.metavar or p.name.upper()}` (argument) | {_default(p)} | "
+                             f"{_cell(getattr(p, 'help', ''))} | |")
                 continue
-            flags = ", ".join(f"`{o}`" for o in (*p.opts, *p.secondary_opts))
-            lines.append(f"| {flags} | {_default(p)} | {_cell(p.help)} |")
+            opts = (*p.opts, *p.secondary_opts)
+            theirs = "; ".join(f"{a.tool} `{a.spelling}`" for a in ANCHORS
+                               if a.command == name and a.ours != "-" and a.ours.split(",")[0].split()[0] in opts)
+            lines.append(f"| {', '.join(f'`{o}`' for o in opts)} | {_default(p)} | {_cell(p.help)} | {theirs} |")
         lines.append("")
     lines += ["## The neighbours' spellings", "", "| tool | their flag | command | quantspec | works as written | note |",
               "| --- | --- | --- | --- | --- | --- |"]
