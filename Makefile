@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# torchvision/torchaudio/torchcodec (pulled by vllm deps) break `import vllm` against this torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, runtime, quant, specdec, evals, studies, quantspec"
+	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, runtime, quant, specdec, evals, serving, studies, quantspec"
 	touch $(STAMP)
 
 model: setup

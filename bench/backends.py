@@ -28,11 +28,11 @@ WORKLOAD = "spec_bench"
 
 def run_one(backend: str, name: str, num_prompts: int, output_len: int, out: str) -> None:
     """One engine for ``name`` on ``backend`` serving every load level (at least C prompts at concurrency C)."""
-    from evals.backends import open_backend
-    from evals.backends.base import ServingConfig
-    from evals.bench_api import run_benchmark
+    from serving.backends import open_backend
+    from serving.backends.base import ServingConfig
+    from serving.bench_api import run_benchmark
     from evals.config import Config
-    from evals.loadgen import LoadSpec
+    from serving.loadgen import LoadSpec
 
     config = ServingConfig(Config.parse(backend=backend, **CONFIGS[name]), max_model_len=1024)
     records = []

@@ -34,12 +34,12 @@ def ours(backend, requests, concurrency: int) -> tuple[float, int]:
 
 
 def main(args):
-    from evals.backends import open_backend
-    from evals.backends.base import ServingConfig
+    from serving.backends import open_backend
+    from serving.backends.base import ServingConfig
     from evals.config import Config
     from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                               RunRecord, hardware_info)
-    from evals.workloads import build_requests
+    from serving.workloads import build_requests
     from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 
     config = ServingConfig(Config(backend="vllm"), max_model_len=1024)

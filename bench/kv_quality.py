@@ -136,7 +136,7 @@ def vllm_side_by_side(model: str, n_windows: int, ctx: int, chunk: int, data_dir
     chunked feed, so later chunks attend to fp8 history on both."""
     from vllm import LLM
 
-    from evals.backends.vllm_engine import set_engine_env
+    from serving.backends.vllm_engine import set_engine_env
     from quant.kvcache import vllm_kv_cache_dtype
 
     lm = load_model(model, "bf16", threads)

@@ -22,14 +22,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.backends import open_backend
-from evals.backends.base import ServingConfig
-from evals.bench_api import run_benchmark
+from serving.backends import open_backend
+from serving.backends.base import ServingConfig
+from serving.bench_api import run_benchmark
 from evals.config import Config
-from evals.loadgen import LoadSpec
+from serving.loadgen import LoadSpec
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
-from evals.workloads import build_requests
+from serving.workloads import build_requests
 from runtime.hardware import probe
 from runtime.measure import LoadWindow, SpeedProtocol, paired_ratio
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
-from evals.backends.base import ServingConfig
+from serving.backends.base import ServingConfig
 from evals.config import Config
-from evals.backends.vllm_engine import counters_from_metrics, engine_kwargs, set_engine_env
+from serving.backends.vllm_engine import counters_from_metrics, engine_kwargs, set_engine_env
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from runtime.loading import load_model

@@ -26,6 +26,8 @@ from specdec.proposers.base import ProposerSpec, check_k, parse_proposer_spec
 
 NONE = "none"
 DEFAULT_K = 4
+# the backend a point runs on unless it names one: the reference runtime, where an EvalConfig's reference is scored
+DEFAULT_BACKEND = "native"
 DTYPES = ("bf16", "fp32")
 OBSERVERS = ("mse", "minmax", "percentile")
 # fields stored only when they differ from their default (keeps stored dicts of older studies comparable)
@@ -45,7 +47,7 @@ class Config:
     """One point of the configuration space (see the module docstring)."""
 
     model: str = "default"
-    backend: str = "native"
+    backend: str = DEFAULT_BACKEND
     weights: str = NONE  # weight scheme label, e.g. w4g32-asym (a preset such as W8A8 is split by ``parse``)
     method: str | None = None  # weight method (rtn, gptq, ...) when weights are quantized
     activations: str = NONE  # activation part of the scheme, e.g. a8tok-dyn, a8t-static

@@ -27,16 +27,27 @@ from evals.vllm_shim import lm_eval_vllm
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.build import Built, build_native, model_weights_hash
-from evals.config import NONE, Config
+from evals.config import DEFAULT_BACKEND, NONE, Config
 from runtime.errors import UserError
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model
 from runtime.registry import Registry
 from quant.vllm_support import vllm_kv_cache_dtype
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"
-# lm-eval model factories (``factory(EvalConfig) -> lm_eval LM``); serving engines are evals.backends.BACKENDS
+# lm-eval model factories (``factory(EvalConfig) -> lm_eval LM``); serving engines are serving.backends.BACKENDS
 LM_FACTORIES: Registry[Callable] = Registry("eval backend")
-register_lm_factory = LM_FACTORIES.register
+
+
+def register_lm_factory(name: str, scores_native_build: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: ``@register_lm_factory("name")`` makes ``factory(EvalConfig) -> lm_eval LM`` the eval backend
+    ``name``. ``scores_native_build``: the factory scores the model ``build_native`` builds for the point (the
+    one the WikiText-2 fidelity compares with its reference), so fidelity measures what the tasks scored; other
+    engines get no fidelity (it would describe a model they did not run)."""
+    def deco(factory: Callable) -> Callable:
+        factory.scores_native_build = scores_native_build
+        return LM_FACTORIES.add(name, factory)
+
+    return deco
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,9 @@ class EvalConfig:
         object.__setattr__(self, "floor_spec", Floor.parse(self.floor))
 
     def reference_config(self) -> "EvalConfig":
-        """The unquantized reference scored beside it: the reference model (or the same one), same dtype, native."""
-        ref = Config(model=self.reference_model or self.config.model, dtype=self.config.dtype)
+        """The unquantized reference scored beside it: the reference model (or the same one), same dtype, on the
+        default backend (the reference runtime)."""
+        ref = Config(model=self.reference_model or self.config.model, dtype=self.config.dtype, backend=DEFAULT_BACKEND)
         return replace(self, config=ref, reference_model=None, floor=None, reference=False, fidelity_windows=0)
 
     def run_fields(self) -> dict:
@@ -92,7 +104,7 @@ def differs_from_reference(config: EvalConfig) -> bool:
     """Whether ``config`` scores something other than its reference (quantized weights or KV, another backend,
     or another reference model): only then is the reference scored separately."""
     point = config.config
-    return bool(point.quantized_weights or point.kv_spec is not None or point.backend != "native"
+    return bool(point.quantized_weights or point.kv_spec is not None or point.backend != DEFAULT_BACKEND
                 or config.reference_model)
 
 
@@ -246,7 +258,7 @@ def _built(point: Config, progress: bool = False) -> Built:
     return build_native(point, progress=progress)
 
 
-@register_lm_factory("native")
+@register_lm_factory("native", scores_native_build=True)
 def native_lm(config: EvalConfig):
     from evals.lm_native import NativeLM  # imports lm-eval
 
@@ -429,8 +441,8 @@ def _fidelity(config: EvalConfig, data_dir: Path) -> FidelityStats:
 
 
 def _cached_fidelity(config: EvalConfig, data_dir: Path | None) -> FidelityStats | None:
-    if not (differs_from_reference(config) and config.config.backend == "native" and config.fidelity_windows
-            and data_dir):
+    scores_native_build = getattr(LM_FACTORIES.get(config.config.backend), "scores_native_build", False)
+    if not (differs_from_reference(config) and scores_native_build and config.fidelity_windows and data_dir):
         return None
     reference = f"_ref{model_weights_hash(config.reference_model)}" if config.reference_model else ""
     key = _cache_key(config, f"_fidelity_wikitext2_ctx{config.fidelity_ctx}{reference}", config.fidelity_windows, 0)

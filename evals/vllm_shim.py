@@ -13,16 +13,19 @@ import os
 
 _real_version = metadata.version
 VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# distribution lm-eval asks for -> (the one this machine may ship instead, the suffix vLLM's version spells it with)
+DISTRIBUTION_ALIASES = {"vllm": ("vllm-cpu", "+cpu")}
 
 
 def _version(name: str) -> str:
     """``vllm-cpu``'s version as ``X+cpu`` (vLLM's own spelling; its platform detection looks for "cpu")."""
-    if name == "vllm":
-        try:
-            return _real_version("vllm")
-        except metadata.PackageNotFoundError:
-            return _real_version("vllm-cpu") + "+cpu"
-    return _real_version(name)
+    try:
+        return _real_version(name)
+    except metadata.PackageNotFoundError:
+        if name not in DISTRIBUTION_ALIASES:
+            raise
+        alias, suffix = DISTRIBUTION_ALIASES[name]
+        return _real_version(alias) + suffix
 
 
 def vllm_module():

@@ -13,18 +13,12 @@ import importlib
 from pathlib import Path
 
 from evals.acceptance import LosslessReport, check_lossless, measure_acceptance
-from evals.backends.base import Backend, ServingConfig, register_backend
-from evals.bench_sweep import benchmark
-from evals.compare_backends import BackendComparison, compare_backends
 from evals.decode_speed import compare_decode
 from evals.config import Config
 from evals.harness import EvalConfig, EvalReport, evaluate
 from evals.harness import register_lm_factory as register_eval_backend
-from evals.loadgen import LoadSpec
 from evals.quant_report import Quantized, quantize
 from evals.record import write_json_atomic as write_json
-from evals.serving_metrics import SLO
-from evals.vllm_bench_schema import save_results as save_vllm_bench_results
 from quant.actquant import Observer, register_observer
 from quant.calibration import CalibConfig
 from quant.methods import WeightMethod, register_method
@@ -41,6 +35,12 @@ from runtime.measure import SpeedProtocol
 from runtime.model_store import fetch_default_model as fetch_model
 from runtime.registry import Registry
 from runtime.sampling import SamplingConfig
+from serving.backends.base import Backend, ServingConfig, register_backend
+from serving.bench_sweep import benchmark
+from serving.compare_backends import BackendComparison, compare_backends
+from serving.loadgen import LoadSpec
+from serving.serving_metrics import SLO
+from serving.vllm_bench_schema import save_results as save_vllm_bench_results
 from specdec.lossless import ALPHA
 from specdec.proposers import Proposal, Proposer, build_proposer, register_proposer
 from specdec.sweep import parse_ks

@@ -422,7 +422,7 @@ def _ms(stats: dict, key: str) -> str:
 
 
 def print_bench(title: str, runs: list) -> None:
-    """``quantspec bench``: one row per config and load point (evals.bench_api.BenchResult), the spread and load."""
+    """``quantspec bench``: one row per config and load point (serving.bench_api.BenchResult), the spread and load."""
     table = Table(title=title)
     for col in ("config", "load", "eff tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
                 "E2E p50/p99 ms", "goodput r/s", "α", "τ", "speedup", "peak RSS MiB", "failed"):

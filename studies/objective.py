@@ -5,7 +5,7 @@ Evaluators register by name (``real`` is the default and the only one shipped); 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from runtime.errors import UserError
@@ -18,11 +18,10 @@ from runtime.loading import set_threads
 from runtime.measure import PairedRatio, SpeedProtocol, paired_ratio
 from runtime.model_store import resolve_model
 from evals.harness import EvalConfig, evaluate
-from evals.backends import BACKENDS, open_backend
-from evals.backends.vllm_engine import as_checkpoint
-from evals.bench_api import run_benchmark
-from evals.loadgen import LoadSpec
-from evals.workloads import build_requests
+from serving.backends import BACKENDS, open_backend
+from serving.bench_api import run_benchmark
+from serving.loadgen import LoadSpec
+from serving.workloads import build_requests
 
 
 @dataclass
@@ -108,7 +107,7 @@ def get_evaluator(name: str, **settings) -> TrialEvaluator:
 
 @register_evaluator("real")
 class RealEvaluator:
-    """The shipped evaluator. Speed: ``evals.bench_api.run_benchmark`` at batch 1 (closed loop, concurrency 1),
+    """The shipped evaluator. Speed: ``serving.bench_api.run_benchmark`` at batch 1 (closed loop, concurrency 1),
     greedy, fixed output length on the first ``num_prompts`` Spec-Bench prompts, one engine per trial (its start
     is timed separately and excluded from tok/s). Quality: ``evals.harness.evaluate`` (lm-eval tasks scored on
     the native runtime in bf16, as served, against the unquantized bf16 reference on the same items; paired
@@ -160,13 +159,7 @@ class RealEvaluator:
         self.reference = space.reference()
 
     def quality(self, config: Config) -> QualityResult:
-        if config.backend == "vllm":
-            report = self._vllm_report(config)
-        else:
-            point = replace(config.transformation, backend="native", dtype="bf16")
-            report = evaluate(EvalConfig(
-                point, tasks=self.tasks, limit=self.limit, floor=self.floor, data_dir=self.data_dir,
-                fidelity_windows=self.fidelity_windows, progress=False))
+        report = self._report(config)
         floor = Floor.parse(self.floor)
 
         def value(c) -> float:
@@ -180,27 +173,26 @@ class RealEvaluator:
             kl=fid.mean_kl if fid else (0.0 if not config.quantized_weights and config.kv == "none" else None),
             perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
 
-    def _vllm_report(self, config: Config):
-        """lm-eval through vLLM on the point's export, in its serving dtype (the harness caches per export)."""
+    def _report(self, config: Config):
+        """lm-eval on what the point's backend says its quality is (``Backend.quality_plan``: the transformation
+        on the reference runtime, or the engine itself on its export; the harness caches per scored point)."""
+        backend = BACKENDS.get(config.backend)
         try:
-            base = config.transformation
-            point = replace(as_checkpoint(base), backend="vllm")
-            return evaluate(EvalConfig(point, tasks=self.tasks, limit=self.limit, floor=self.floor,
-                                       data_dir=self.data_dir, reference_model=str(resolve_model(base.model)),
-                                       fidelity_windows=0, progress=False))
+            plan = backend.quality_plan(config)
+            return evaluate(EvalConfig(plan.point, tasks=self.tasks, limit=self.limit, floor=self.floor,
+                                       data_dir=self.data_dir, reference_model=plan.reference_model,
+                                       fidelity_windows=self.fidelity_windows if plan.fidelity else 0, progress=False))
         except UserError:
             raise
-        except Exception as exc:  # no vLLM here, or it cannot load the export: the point cannot be scored
-            raise UserError(f"vLLM quality could not be measured here ({type(exc).__name__}: {exc}); a vLLM point "
-                            "never borrows native quality, so it is skipped") from exc
+        except Exception as exc:  # e.g. no vLLM here, or it cannot load the export: the point cannot be scored
+            if not backend.scores_own_quality:
+                raise
+            raise UserError(f"{backend.name} quality could not be measured here ({type(exc).__name__}: {exc}); a "
+                            f"{backend.name} point never borrows the reference runtime's quality, so it is skipped"
+                            ) from exc
 
     def exactness(self, config: Config) -> dict:
-        if config.backend != "native":
-            return {"by_construction": False, "why": f"{config.backend}'s kernels are not probed for batch invariance"}
-        if config.dtype != "bf16":
-            return {"by_construction": False, "why": f"{config.dtype} GEMMs are not batch-invariant here"}
-        return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
-                "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
+        return BACKENDS.get(config.backend).exactness(config)
 
     def output_length(self, config: Config) -> dict:
         if config not in self._lengths:

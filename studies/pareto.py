@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 from rich.table import Table
 
+from evals.config import DEFAULT_BACKEND
 from evals.floor import Floor
 from evals.record import write_json_atomic
 from runtime.model_store import DEFAULT_MODEL, SMOLLM2, is_default_model
@@ -354,7 +355,7 @@ def short_label(r: Row, reference: dict | None) -> str:
         label = "reference" + ("" if label == "none" else f" ({label})")
     else:
         label = re.sub(r"^none\b", "unquantized", label)
-    if r.backend and r.backend != "native":
+    if r.backend and r.backend != DEFAULT_BACKEND:  # a point off the default backend says which it ran on
         label = f"{r.backend} {label}"
     return f"#{r.number} {label}"
 

@@ -43,6 +43,7 @@ from optuna.trial import TrialState
 
 from evals.config import Config
 from runtime.errors import UserError
+from serving.backends import BACKENDS
 from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.samplers import SAMPLERS, PerTrialSeed, trial_seed
 from studies.space import SearchSpace, invalid_reason, load_space
@@ -109,10 +110,10 @@ def parse_length_band(text) -> tuple[float, float] | None:
 
 
 def study_quality_key(config: Config) -> str:
-    """The quality cache key of a point: its transformation, and for other backends the backend and dtype too
-    (a vLLM point's quality is measured through vLLM in its serving dtype, never borrowed from native)."""
-    key = config.transformation.quality_key
-    return key if config.backend == "native" else f"{key}|backend={config.backend}|dtype={config.dtype}"
+    """The quality cache key of a point, as its backend states it (``Backend.quality_key``): its transformation,
+    plus the backend and dtype for a backend that scores its own quality (a vLLM point's quality is measured
+    through vLLM in its serving dtype, never borrowed from native)."""
+    return BACKENDS.get(config.backend).quality_key(config)
 
 
 def open_study(settings: SearchSettings, default_floor: str | None = None,

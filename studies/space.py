@@ -20,8 +20,8 @@ from quant.scheme import check_group_fits
 from quant.methods import METHODS
 from runtime.loading import read_config
 from runtime.model_store import resolve_model
-from evals.backends import BACKENDS
-from evals.backends.base import ServingConfig
+from serving.backends import BACKENDS
+from serving.backends.base import ServingConfig
 from evals.config import NONE, Config, parse_activations
 from quant.kvcache import parse_kv_spec
 from quant.scheme import parse_scheme

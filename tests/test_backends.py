@@ -6,11 +6,11 @@ import sys
 import pytest
 
 from conftest import bf16_speculation_refusal
-from evals.backends import BACKENDS, open_backend
-from evals.backends.base import Request, ServingConfig
-from evals.bench_api import run_benchmark
+from serving.backends import BACKENDS, open_backend
+from serving.backends.base import Request, ServingConfig
+from serving.bench_api import run_benchmark
 from evals.config import Config
-from evals.loadgen import LoadSpec
+from serving.loadgen import LoadSpec
 from runtime.loading import load_model
 from runtime.errors import UserError
 from quantspec.cli import main
@@ -92,7 +92,7 @@ def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, s
 def test_repeats_report_mean_and_ci_with_engines_alternating(tiny_llama_dir, spec_dtype):
     """``benchmark(..., repeats=3)``: every metric's mean and CI over the repeats, the speculative config's
     speedup among them, its baseline run beside it in each repeat (both native engines resident), and the load."""
-    from evals.bench_sweep import benchmark
+    from serving.bench_sweep import benchmark
 
     base = ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype), max_model_len=200)
     spec = ServingConfig(Config.parse(model=str(tiny_llama_dir), spec="ngram:min=1,max=3", k=3, dtype=spec_dtype),
@@ -144,7 +144,7 @@ def test_vllm_not_installed_is_one_line(monkeypatch, tiny_llama_dir):
 
 
 def test_port_in_use_is_refused_before_starting():
-    from evals.backends.vllm_server import VllmServer
+    from serving.backends.vllm_server import VllmServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,7 +162,7 @@ def _stream_with(chunks: list[dict]):
 
     import httpx
 
-    from evals.backends.vllm_server import VllmServer
+    from serving.backends.vllm_server import VllmServer
 
     body = "".join(f"data: {json.dumps({'choices': [c]})}\n\n" for c in chunks) + "data: [DONE]\n\n"
     transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
@@ -209,7 +209,7 @@ def test_cli_bench_native_writes_records(tiny_llama_dir, tmp_path, capsys):
 def test_native_end_to_end_default_model():
     """bf16 and ngram K=4 on the real model, short workload, one engine per config."""
     from quantspec import benchmark as run_sweep
-    from evals.serving_metrics import SLO
+    from serving.serving_metrics import SLO
 
     config = ServingConfig(Config.parse(spec="ngram:min=2,max=4", k=4))
     refusal = bf16_speculation_refusal(load_model("default", "bf16", attn_implementation="eager"))
@@ -227,8 +227,8 @@ def test_native_end_to_end_default_model():
 def test_vllm_translation_and_serve_command(tiny_llama_dir):
     import json
 
-    from evals.backends.vllm_engine import engine_kwargs
-    from evals.backends.vllm_server import serve_args
+    from serving.backends.vllm_engine import engine_kwargs
+    from serving.backends.vllm_server import serve_args
 
     kwargs = engine_kwargs(ServingConfig(Config.parse(model=str(tiny_llama_dir), backend="vllm", kv="fp8",
                                                       spec="ngram:min=2,max=4", k=3), max_model_len=512))
@@ -238,3 +238,24 @@ def test_vllm_translation_and_serve_command(tiny_llama_dir):
     cmd = serve_args(kwargs, 8123)
     assert cmd[cmd.index("--port") + 1] == "8123" and "--enforce-eager" in cmd and "--disable-log-stats" not in cmd
     assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
+
+
+def test_backends_answer_what_the_search_asks(tiny_llama_dir):
+    """studies name no backend: how a point's quality is scored, its quality cache key and whether speculation
+    is exact by construction are the Backend class's answers (nothing loads, nothing is exported)."""
+    from dataclasses import replace
+
+    from runtime.model_store import resolve_model
+
+    native = Config.parse(model=str(tiny_llama_dir), spec="ngram", k=2, dtype="fp32")
+    plan = BACKENDS["native"].quality_plan(native)  # the transformation on the reference runtime, as served
+    assert plan.point == replace(native.transformation, dtype="bf16") and plan.reference_model is None and plan.fidelity
+    vllm = replace(native, backend="vllm")
+    plan = BACKENDS["vllm"].quality_plan(vllm)  # through vLLM itself, in its own dtype, against the source model
+    assert plan.point.backend == "vllm" and not plan.point.speculative and plan.point.dtype == "fp32"
+    assert plan.reference_model == str(resolve_model(str(tiny_llama_dir))) and not plan.fidelity
+    assert BACKENDS["native"].quality_key(native) == native.transformation.quality_key
+    assert BACKENDS["vllm"].quality_key(vllm) != BACKENDS["native"].quality_key(native)  # never borrowed
+    assert BACKENDS["native"].exactness(replace(native, dtype="bf16"))["by_construction"]
+    assert not BACKENDS["native"].exactness(native)["by_construction"]  # fp32 GEMMs
+    assert not BACKENDS["vllm"].exactness(replace(vllm, dtype="bf16"))["by_construction"]

@@ -10,11 +10,11 @@ import sys
 import psutil
 import pytest
 
-from evals.backends import open_backend
-from evals.backends.base import ServingConfig
+from serving.backends import open_backend
+from serving.backends.base import ServingConfig
 from evals.config import Config
-from evals.bench_api import run_benchmark
-from evals.loadgen import LoadSpec
+from serving.bench_api import run_benchmark
+from serving.loadgen import LoadSpec
 
 pytestmark = pytest.mark.vllm
 

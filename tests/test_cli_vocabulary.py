@@ -2,7 +2,7 @@
 command gets one `error:` line, exit 2, nothing written."""
 import pytest
 
-from evals.serving_metrics import SLO
+from serving.serving_metrics import SLO
 from quantspec.cli import reference
 from runtime.errors import UserError
 from specdec.sweep import parse_ks
@@ -17,11 +17,13 @@ def test_anchor_table_says_which_spellings_parse():
     found = reference.commands()
     assert reference.accepts(found["eval"], "--num_fewshot") and reference.accepts(found["eval"], "-L")
     assert reference.accepts(found["bench"], "--request-rate") and reference.accepts(found["bench"], "--goodput")
-    # negative control: a spelling no command has is reported as not working
+    # negative controls: a spelling no command has, and one that parses as another option, do not "work"
     assert not reference.accepts(found["eval"], "--batch_size")
+    assert reference.accepts(found["eval"], "--model") and not reference.accepts(found["eval"], "--model", "--backend")
     table = reference.render().split("## The neighbours' spellings")[1]
     assert "| lm-eval | `--batch_size` | eval | - | no |" in table
     assert "| lm-eval | `--num_fewshot` | eval | --num-fewshot | yes |" in table
+    assert "| lm-eval | `--model` | eval | --backend | no |" in table
 
 
 @pytest.mark.parametrize("text, ks", [("1,2,4,8", [1, 2, 4, 8]), ("1-4", [1, 2, 3, 4]), ("1-3,8", [1, 2, 3, 8]),

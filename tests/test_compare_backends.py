@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from evals.compare_backends import _diff_task, compare_backends, first_divergence
+from serving.compare_backends import _diff_task, compare_backends, first_divergence
 from evals.config import Config
 from evals.harness import ANSWERS, LM_FACTORIES, EvalConfig, TaskResult, native_lm, register_lm_factory
 from runtime.loading import load_tokenizer

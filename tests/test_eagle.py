@@ -213,9 +213,9 @@ def test_train_seconds_caps_the_whole_training_loop(tiny, data_dir, tmp_path):
 
 def test_vllm_speculative_config_for_a_head(trained, tiny, tmp_path):
     """eagle:PATH maps to vLLM's EAGLE-1 method on the saved folder; what that loader can't read is refused."""
-    from evals.backends.base import ServingConfig
+    from serving.backends.base import ServingConfig
     from evals.config import Config
-    from evals.backends.vllm_engine import speculative_config
+    from serving.backends.vllm_engine import speculative_config
 
     out, _ = trained
 
@@ -461,9 +461,9 @@ def fused(tiny, data_dir, tmp_path_factory):
 def test_fused_head_layout_and_exact_drafting(fused, tiny):
     """A fused head saves fuse.weight [dim, 2*dim] and the layers it reads; speculation with it is token-exact;
     vLLM's EAGLE-1 loader (which has no fuse.weight) is refused in one line; another target's layer count too."""
-    from evals.backends.base import ServingConfig
+    from serving.backends.base import ServingConfig
     from evals.config import Config
-    from evals.backends.vllm_engine import speculative_config
+    from serving.backends.vllm_engine import speculative_config
 
     out, result = fused
     cfg = json.loads((out / "config.json").read_text())
@@ -489,9 +489,9 @@ def test_two_layer_head_saves_vllm_layout_and_drafts_exactly(tiny, data_dir, tmp
     two layers and drafts token-exactly; vLLM's EAGLE-1 loader builds num_hidden_layers layers, so vLLM takes it."""
     from dataclasses import replace
 
-    from evals.backends.base import ServingConfig
+    from serving.backends.base import ServingConfig
     from evals.config import Config
-    from evals.backends.vllm_engine import speculative_config
+    from serving.backends.vllm_engine import speculative_config
 
     out = tmp_path / "two"
     result = train_head(tiny, out, replace(FAST, epochs=2, head_layers=2), data_dir)

@@ -2,11 +2,11 @@
 outputs equal vLLM's own without speculation, and its drafts are counted. One engine per configuration."""
 import pytest
 
-from evals.backends import open_backend
-from evals.backends.base import ServingConfig
+from serving.backends import open_backend
+from serving.backends.base import ServingConfig
 from evals.config import Config
-from evals.bench_api import run_benchmark
-from evals.loadgen import LoadSpec
+from serving.bench_api import run_benchmark
+from serving.loadgen import LoadSpec
 from runtime.loading import read_config
 from specdec.eagle_head import head_config, new_head, save_head
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "qs_toy_plugin"
 PLUGIN_SOURCE = '''
 import quantspec
-from evals.backends.native import NativeBackend
+from serving.backends.native import NativeBackend
 from quant.methods import QuantResult
 from quant.qmath import compute_qparams, quantize
 

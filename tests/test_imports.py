@@ -1,17 +1,23 @@
 """The import rules of docs/architecture.md, read from the source: packages import only the layers below them,
 no file imports itself back around a loop, and function-level imports between project modules are reserved for
 modules that pull in a heavy dependency (lm-eval, vLLM) or one a machine may lack (optuna: the lent GPU machine
-has none, and everything but the search runs there) at import time."""
+has none, and everything but the search runs there) at import time. Backends are named only in ``serving``:
+studies reach them through the registry and the ``Backend`` interface, never a concrete backend module, and no
+module elsewhere branches on a backend's name."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("runtime", "quant", "specdec", "evals", "studies", "quantspec")  # each imports only those before it
+LAYERS = ("runtime", "quant", "specdec", "evals", "serving", "studies", "quantspec")  # each imports only those below
 HEAVY = ("vllm", "lm_eval", "compressed_tensors")  # dependencies costing seconds at import: a module may defer them
 OPTIONAL = ("optuna",)  # missing on some machines: a module may defer it, so the rest imports without it
 FRONT_DOORS = {"quantspec.cli": "quantspec"}  # the CLI is a thin layer over the public API: it imports only that
+# studies ask backends questions through the registry and the interface, never a concrete backend module
+BACKEND_INTERFACE = {"studies": ("serving.backends", ("serving.backends", "serving.backends.base"))}
+BACKEND_HOME = "serving"  # the only package that compares anything with a backend's name
+BACKEND_NAMES = ("native", "vllm")
 
 
 def modules(root: Path, packages=LAYERS) -> dict[str, ast.Module]:
@@ -101,8 +107,40 @@ def violations(root: Path, packages=LAYERS, front_doors=FRONT_DOORS) -> list[str
     return out
 
 
+def backend_violations(root: Path, packages=LAYERS, interface=BACKEND_INTERFACE, home=BACKEND_HOME,
+                       names=BACKEND_NAMES) -> list[str]:
+    """A package of ``interface`` importing a module under its backends package other than the allowed ones
+    (the registry and the base class), and, outside ``home``, a comparison with a backend's name
+    (``x == "vllm"``, ``x != "native"``, ``x in ("vllm", ...)``): a branch that belongs to the Backend class."""
+    mods = modules(root, packages)
+    out = []
+    for name, tree in mods.items():
+        package = name.split(".")[0]
+        if package in interface:
+            under, allowed = interface[package]
+            out += [f"{name} imports {target}, a concrete backend: ask the Backend class ({under})"
+                    for target, _ in imports(tree, mods)
+                    if target.startswith(under + ".") and target not in allowed]
+        if package == home:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            values = [c for o in operands for c in ([o] if isinstance(o, ast.Constant) else
+                                                     o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [])]
+            hits = sorted({c.value for c in values if isinstance(c, ast.Constant) and c.value in names})
+            out += [f"{name}:{node.lineno} compares with the backend name {hit!r}: ask the Backend class ({home})"
+                    for hit in hits]
+    return out
+
+
 def test_no_cycles_layers_respected_no_needless_deferred_imports():
     assert violations(ROOT) == []
+
+
+def test_backends_named_only_in_serving_and_studies_use_the_interface():
+    assert backend_violations(ROOT) == []
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -125,3 +163,26 @@ def test_negative_control_each_rule_catches_its_breach(tmp_path):
     assert not any("low.heavy" in line for line in found)  # deferring a vLLM importer is allowed
     assert "high.door.cmd imports low.b: high.door goes through high only" in found  # the front door's rule
     assert len(found) == 4
+
+
+def test_negative_control_backend_rules_catch_their_breaches(tmp_path):
+    layers = ("low", "srv", "top")
+    write(tmp_path, {"low/__init__.py": "", "srv/__init__.py": "", "top/__init__.py": "",
+                     "srv/backends/__init__.py": "from srv.backends import base, fast\n",
+                     "srv/backends/base.py": "class Backend:\n    pass\n",
+                     "srv/backends/fast.py": "from srv.backends.base import Backend\n",
+                     "srv/pick.py": "def pick(b):\n    return b == 'fast'\n",  # the home may name backends
+                     "top/ok.py": "from srv.backends import base\nimport srv.backends\n",
+                     "top/concrete.py": "from srv.backends.fast import Backend\n",
+                     "top/branch.py": "def f(c):\n    return c.backend != 'fast'\n",
+                     "top/member.py": "def f(c):\n    return 'slow' in c or c in ['x', 'slow']\n",
+                     "low/flipped.py": "def f(c):\n    return 'fast' == c\n",
+                     "low/other.py": "def f(c):\n    return c == 'fastest' or c.kind == 'none'\n"})
+    found = backend_violations(tmp_path, layers, {"top": ("srv.backends", ("srv.backends", "srv.backends.base"))},
+                               "srv", ("fast", "slow"))
+    assert "top.concrete imports srv.backends.fast, a concrete backend: ask the Backend class (srv.backends)" in found
+    assert any(line.startswith("top.branch:2 compares with the backend name 'fast'") for line in found)
+    assert any(line.startswith("top.member:2 compares with the backend name 'slow'") for line in found)
+    assert any(line.startswith("low.flipped:2 compares with the backend name 'fast'") for line in found)
+    assert not any(line.startswith(("top.ok", "srv.", "low.other")) for line in found)
+    assert len(found) == 5  # top.member: two comparisons (a bare constant, a list element), one line each

@@ -4,10 +4,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from evals.backends.base import Request, RequestResult, SpecCounters
+from serving.backends.base import Request, RequestResult, SpecCounters
 from specdec.proposers.base import ProposerSpec, parse_proposer_spec
-from evals.loadgen import LoadSpec, arrival_offsets, closed_loop_async, open_loop_async
-from evals.serving_metrics import SLO, spec_summary, summarize
+from serving.loadgen import LoadSpec, arrival_offsets, closed_loop_async, open_loop_async
+from serving.serving_metrics import SLO, spec_summary, summarize
 from runtime.errors import UserError
 
 

@@ -71,17 +71,16 @@ def test_configurations_differing_only_in_calibration_get_two_exports(tiny_llama
     calibrations shared one export. Same settings: the cached export (negative control: same folder)."""
     from dataclasses import replace
 
-    from evals.backends.base import ServingConfig
+    from evals.build import exported_checkpoint
     from evals.config import Config
-    from evals.backends.vllm_engine import exported_checkpoint
     import torch
     from safetensors.torch import load_file
 
-    monkeypatch.setattr("evals.backends.vllm_engine.quantspec_home", lambda: tmp_path)
+    monkeypatch.setattr("evals.build.quantspec_home", lambda: tmp_path)
     point = dict(model=str(tiny_llama_dir), scheme="w4g32-asym", method="gptq", backend="vllm")
-    first = exported_checkpoint(ServingConfig(Config.parse(**point, calib=calib)))
-    other = exported_checkpoint(ServingConfig(Config.parse(**point, calib=replace(calib, samples=2))))
-    assert first != other and exported_checkpoint(ServingConfig(Config.parse(**point, calib=calib))) == first
+    first = exported_checkpoint(Config.parse(**point, calib=calib))
+    other = exported_checkpoint(Config.parse(**point, calib=replace(calib, samples=2)))
+    assert first != other and exported_checkpoint(Config.parse(**point, calib=calib)) == first
     weights = [load_file(next(path.glob("*.safetensors"))) for path in (first, other)]
     assert any(not torch.equal(weights[0][name], weights[1][name]) for name in weights[0])  # GPTQ saw other data
 

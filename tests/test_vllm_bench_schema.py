@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from evals.backends.base import RequestResult, SpecCounters
-from evals.bench_api import BenchResult
+from serving.backends.base import RequestResult, SpecCounters
+from serving.bench_api import BenchResult
 from evals.record import ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord
-from evals.serving_metrics import SLO, spec_summary, summarize
-from evals.vllm_bench_schema import result_filename, save_results, vllm_result
+from serving.serving_metrics import SLO, spec_summary, summarize
+from serving.vllm_bench_schema import result_filename, save_results, vllm_result
 
 SERVE = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "benchmarks" / "serve.py"
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from evals.workloads import WORKLOADS, build_requests
+from serving.workloads import WORKLOADS, build_requests
 from runtime.errors import UserError
 from runtime.loading import load_tokenizer
 

@@ -29,7 +29,7 @@ class Anchor:
 
 ANCHORS = (
     Anchor("lm-eval", "--model_args pretrained=M", "eval", "--model, -m (or MODEL)", "lm-eval's --model is the engine: our --backend"),
-    Anchor("lm-eval", "--model", "eval", "--backend", "hf|vllm there; the model is MODEL / --model here"),
+    Anchor("lm-eval", "--model", "eval", "--backend", "hf|vllm there; --model is the model here (MODEL)"),
     Anchor("lm-eval", "--tasks", "eval", "--tasks"),
     Anchor("lm-eval", "-t", "eval", "--tasks"),
     Anchor("lm-eval", "--num_fewshot", "eval", "--num-fewshot"),
@@ -89,10 +89,15 @@ def commands() -> dict:
     return found
 
 
-def accepts(command, spelling: str) -> bool:
-    """Whether ``command`` parses the flag of ``spelling`` (its first word) as written."""
+def accepts(command, spelling: str, ours: str | None = None) -> bool:
+    """Whether ``command`` parses the flag of ``spelling`` (its first word) as written, and, given ``ours``
+    (quantspec's flag for the same thing), as that same option, not another one of the same spelling."""
     flag = spelling.split()[0]
-    return any(flag in (*p.opts, *p.secondary_opts) for p in command.params if p.param_type_name == "option")
+    for p in command.params:
+        opts = (*p.opts, *p.secondary_opts) if p.param_type_name == "option" else ()
+        if flag in opts:
+            return ours is None or ours.split(",")[0].split()[0] in opts
+    return False
 
 
 def render() -> str:
@@ -119,7 +124,7 @@ def render() -> str:
     lines += ["## The neighbours' spellings", "", "| tool | their flag | command | quantspec | works as written | note |",
               "| --- | --- | --- | --- | --- | --- |"]
     for a in ANCHORS:
-        works = "yes" if accepts(found[a.command], a.spelling) and a.ours != "-" else "no"
+        works = "yes" if a.ours != "-" and accepts(found[a.command], a.spelling, a.ours) else "no"
         lines.append(f"| {a.tool} | `{a.spelling}` | {a.command or '(any)'} | {a.ours} | {works} | {a.note} |")
     return "\n".join(lines) + "\n"
 

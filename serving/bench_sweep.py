@@ -12,9 +12,9 @@ import functools
 from contextlib import ExitStack
 from typing import Callable
 
-from evals.backends import backend_class, open_backend
-from evals.bench_api import BenchResult, run_benchmark
-from evals.serving_metrics import SLO
+from serving.backends import backend_class, open_backend
+from serving.bench_api import BenchResult, run_benchmark
+from serving.serving_metrics import SLO
 from runtime.errors import UserError
 from runtime.measure import LoadWindow, mean_ci
 
@@ -28,7 +28,7 @@ REPEATED = {"effective_tok_s": ("effective_tok_s",), "requests_s": ("requests_s"
 def benchmark(configs: list, loads: list, workload: str = "short-short", num_prompts: int = 16,
               output_len: int | None = None, ignore_eos: bool = True, data_dir=None, slo: SLO = SLO(),
               progress: ProgressFactory = lambda _label, _total: (lambda: None), repeats: int = 1) -> list:
-    """Runs (evals.bench_api.BenchResult) for ``configs`` x ``loads`` (evals.loadgen.LoadSpec), one per point, in
+    """Runs (serving.bench_api.BenchResult) for ``configs`` x ``loads`` (serving.loadgen.LoadSpec), one per point, in
     order; with ``repeats`` > 1 each is the last repeat, its summary holding ``repeats`` (mean and CI per metric).
     A speculative config gets the matching no-speculation run at the same load as baseline (put it first, e.g.
     ``[config.without_spec(), config]``). Stops at the first failed measurement."""

@@ -14,10 +14,10 @@ import torch
 
 from dataclasses import replace
 
-from evals.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
-                                 check_fits, now, register_backend)
+from serving.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
+                                   check_fits, now, register_backend)
 from evals.build import build_native
-from evals.config import Config  # noqa: F401  (check() takes one)
+from evals.config import Config
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.threads import apply_threads
@@ -56,6 +56,13 @@ class NativeBackend(Backend):
             return (f"native speculative decoding keeps a bf16 KV cache: drop --kv {point.kv} or --spec "
                     "(or use --backend vllm, which speculates over an fp8 KV cache)")
         return None
+
+    @classmethod
+    def exactness(cls, config: Config) -> dict:
+        if config.dtype != "bf16":
+            return {"by_construction": False, "why": f"{config.dtype} GEMMs are not batch-invariant here"}
+        return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
+                "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
 
     def _decoder(self, cache_factory):
         point = self.config.config

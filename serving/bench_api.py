@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evals.backends import open_backend
-from evals.backends.base import Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig
-from evals.loadgen import LoadSpec, arrival_offsets
+from serving.backends import open_backend
+from serving.backends.base import Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig
+from serving.loadgen import LoadSpec, arrival_offsets
 from evals.record import (EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord,
                           hardware_info)
-from evals.serving_metrics import METRIC_DEFINITIONS, SLO, length_distribution_stats, spec_summary, summarize
-from evals.workloads import build_requests, WORKLOADS
+from serving.serving_metrics import METRIC_DEFINITIONS, SLO, length_distribution_stats, spec_summary, summarize
+from serving.workloads import build_requests, WORKLOADS
 from evals.build import model_weights_hash
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model
 from runtime.generate import encode_prompt

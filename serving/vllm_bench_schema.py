@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evals.bench_api import BenchResult
+from serving.bench_api import BenchResult
 from evals.record import write_json_atomic
 from runtime.loading import load_tokenizer
 from runtime.model_store import resolve_model

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from evals.backends.base import EngineFailure, Progress, Request, RequestResult, SpecCounters, now
-from evals.loadgen import open_loop_async
+from serving.backends.base import EngineFailure, Progress, Request, RequestResult, SpecCounters, now
+from serving.loadgen import open_loop_async
 from runtime.errors import UserError
 
 START_TIMEOUT_S = float(os.environ.get("QUANTSPEC_VLLM_START_TIMEOUT", 600))
@@ -48,7 +48,7 @@ def check_port_free(port: int) -> None:
 
 def serve_args(kwargs: dict, port: int) -> list[str]:
     """``vllm serve`` command line for the same engine arguments the in-process engine gets."""
-    cmd = [sys.executable, "-m", "evals.backends.vllm_server", "serve", kwargs["model"], "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "serving.backends.vllm_server", "serve", kwargs["model"], "--host", "127.0.0.1",
            "--port", str(port)]
     for key, value in kwargs.items():
         if key in SKIP_ARGS:

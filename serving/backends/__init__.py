@@ -1,6 +1,7 @@
 """Serving backends behind one interface, registered by name: ``native`` (quant/ + specdec/) and ``vllm``."""
-from evals.backends import native, vllm_engine  # noqa: F401  (register backends)
-from evals.backends.base import BACKENDS, Backend, EngineFailure, ServingConfig, check_config, register_backend
+from serving.backends import native, vllm_engine  # noqa: F401  (register backends)
+from serving.backends.base import (BACKENDS, Backend, EngineFailure, QualityPlan, ServingConfig, check_config,
+                                   register_backend)
 from runtime.errors import UserError
 
 
@@ -18,5 +19,5 @@ def open_backend(config: ServingConfig) -> Backend:
     return backend_class(config)(config)
 
 
-__all__ = ["BACKENDS", "Backend", "EngineFailure", "ServingConfig", "backend_class", "check_config", "open_backend",
-           "register_backend"]
+__all__ = ["BACKENDS", "Backend", "EngineFailure", "QualityPlan", "ServingConfig", "backend_class", "check_config",
+           "open_backend", "register_backend"]

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from evals.config import Config
+from evals.config import DEFAULT_BACKEND, Config
 from runtime.errors import UserError
 from runtime.measure import Sample
 from runtime.registry import Registry
@@ -108,6 +108,17 @@ class SpecCounters:
 Progress = Callable[[RequestResult], None]
 
 
+@dataclass(frozen=True)
+class QualityPlan:
+    """How a point's quality is scored (``evals.harness.evaluate``): the point lm-eval scores, the model it is
+    compared with (None: the point's own model, unquantized, on the reference runtime), and whether the WikiText-2
+    fidelity is measured (only where the scored model is the native build that fidelity compares)."""
+
+    point: Config
+    reference_model: str | None = None
+    fidelity: bool = True
+
+
 class Backend:
     """A started engine that can serve several measured runs (the engine is reused between them).
 
@@ -121,6 +132,10 @@ class Backend:
     # Whether two engines of this backend can stay resident in one process and alternate request by request,
     # so a candidate's speed is measured paired with the reference's (runtime.measure.paired_ratio).
     interleavable = False
+    # Whether a point's quality is scored through this engine itself (its own lm-eval model, its serving dtype),
+    # so it is cached under its own key; False: the point's transformation is scored once on the reference
+    # runtime and every such backend's points of that transformation share the number.
+    scores_own_quality = False
 
     def __init__(self, config: ServingConfig):
         self.config = config
@@ -131,6 +146,26 @@ class Backend:
         """Why this backend cannot run ``config`` (one line naming the alternative), or None. Cheap: called
         before anything loads. A ``ServingConfig`` also carries run settings (temperature) a backend may need."""
         return None
+
+    @classmethod
+    def quality_plan(cls, config: Config) -> QualityPlan:
+        """What lm-eval scores for ``config``'s quality. Here: its transformation (speculation does not change
+        outputs it verifies) on the reference runtime in bf16, as served. A backend that scores its own quality
+        overrides this (it may export weights first: slow, and it raises what the export raises)."""
+        return QualityPlan(replace(config.transformation, backend=DEFAULT_BACKEND, dtype="bf16"))
+
+    @classmethod
+    def quality_key(cls, config: Config) -> str:
+        """The key ``config``'s quality is cached under in a study: points with one key share one measurement
+        (with ``scores_own_quality`` the backend and dtype are part of it: never borrowed from another engine)."""
+        key = config.transformation.quality_key
+        return f"{key}|backend={config.backend}|dtype={config.dtype}" if cls.scores_own_quality else key
+
+    @classmethod
+    def exactness(cls, config: Config) -> dict:
+        """Whether speculation on the kernels ``config`` runs leaves greedy outputs unchanged by construction:
+        ``{"by_construction": bool, "why": str}``. Here: not claimed (the kernels are not probed)."""
+        return {"by_construction": False, "why": f"{cls.name}'s kernels are not probed for batch invariance"}
 
     def tokenizer(self):
         raise NotImplementedError

@@ -2,7 +2,7 @@
 items, and where their answers differ.
 
 Both backends load the same weights: a quantized scheme is exported once as a compressed-tensors checkpoint
-(``vllm_engine.as_checkpoint``) and that export is what each backend scores, in the same dtype, through lm-eval
+(``evals.build.as_checkpoint``) and that export is what each backend scores, in the same dtype, through lm-eval
 with per-item logging (cached like every eval). Per task: accuracy on each backend, the items whose answers
 differ (the chosen choice, the greedy flag, or the generated text), the discordant pairs with McNemar's exact
 test of "same accuracy", and for generation tasks the first token where the two outputs diverge.
@@ -14,9 +14,7 @@ from pathlib import Path
 
 from scipy.stats import binomtest
 
-from evals.backends import BACKENDS
-from evals.backends.vllm_engine import as_checkpoint
-from evals.build import model_weights_hash
+from evals.build import as_checkpoint, model_weights_hash
 from evals.harness import EvalConfig, TaskResult, score_tasks, task_manager
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
@@ -24,6 +22,7 @@ from runtime.data import find_data_dir
 from runtime.errors import UserError
 from runtime.loading import load_tokenizer
 from runtime.model_store import resolve_model
+from serving.backends import BACKENDS
 
 
 @dataclass

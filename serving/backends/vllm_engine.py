@@ -12,24 +12,23 @@ outputs. Spec-decode statistics are deltas of vLLM's Prometheus counters over th
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
-from evals.build import quantize
+from evals.build import as_checkpoint, exported_checkpoint
 from evals.config import Config
-from evals.backends.base import (Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig,
-                                 SpecCounters, check_fits, now, register_backend)
-from evals.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
+from serving.backends.base import (Backend, EngineFailure, Progress, QualityPlan, Request, RequestResult,
+                                   ServingConfig, SpecCounters, check_fits, now, register_backend)
+from serving.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
 from specdec.proposers.eagle import parse_eagle
 from specdec.proposers.ngram import NgramProposer
-from runtime.model_store import resolve_model, weights_hash
+from runtime.model_store import resolve_model
 from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
-from runtime.loading import load_model, load_tokenizer
-from runtime.hardware import probe, quantspec_home
+from runtime.loading import load_tokenizer
+from runtime.hardware import probe
 
 ENGINE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -104,7 +103,7 @@ def engine_kwargs(config: ServingConfig) -> dict:
               "max_model_len": config.max_model_len, "disable_log_stats": False, "seed": 0}
     if point.scheme_label != "none":
         check_scheme(config)
-        kwargs["model"] = str(exported_checkpoint(config))
+        kwargs["model"] = str(exported_checkpoint(point))
         kwargs["quantization"] = "compressed-tensors"
     if vllm_kv_cache_dtype(point.kv_spec) != "auto":
         kwargs["kv_cache_dtype"] = vllm_kv_cache_dtype(point.kv_spec)
@@ -117,34 +116,6 @@ def engine_kwargs(config: ServingConfig) -> dict:
 def check_scheme(config: "Config | ServingConfig") -> str:
     """The vLLM CPU kernel for the config's scheme (UserError when there is none, e.g. W8A16)."""
     return vllm_support(_point(config).scheme)
-
-
-def exported_checkpoint(config: ServingConfig) -> Path:
-    """The compressed-tensors export of the point's weights transformation, made once and cached under all that
-    changes the weights (scheme, method, calibration set, SmoothQuant, observer: ``Config.method_key``).
-
-    The one builder quantizes it (``evals.build.quantize``) from the model's bf16 weights, exactly as the native
-    backend does, so both backends serve the same integer weights."""
-    point = config.config
-    source = resolve_model(point.model)
-    weights = hashlib.sha1(point.method_key.encode()).hexdigest()[:10]
-    target = quantspec_home() / "exports" / f"{weights_hash(source)}-{point.scheme.label}-{point.method}-{weights}"
-    if (target / "config.json").exists():
-        return target
-    lm = load_model(source, "bf16")
-    report = quantize(lm, point)
-    from quant.checkpoint import save_compressed  # compressed-tensors: imported only when exporting
-
-    return save_compressed(lm, report, target)
-
-
-def as_checkpoint(config: Config) -> Config:
-    """``config`` with its quantized weights replaced by their compressed-tensors export: the point as vLLM
-    loads it (and as the native backend can load it too, so both serve the same integer weights)."""
-    if not config.quantized_weights:
-        return config
-    model = exported_checkpoint(ServingConfig(config))
-    return replace(config, model=str(model), weights="none", activations="none", method=None)
 
 
 def counters_from_metrics(metrics) -> SpecCounters:
@@ -186,6 +157,7 @@ def process_tree_peak_rss(pids: list[int]) -> int:
 
 @register_backend("vllm")
 class VllmBackend(Backend):
+    scores_own_quality = True  # through vLLM in its serving dtype, never borrowed from the native runtime
     batching = "vLLM continuous batching (in-process LLM engine for closed loop, vllm serve for open loop)"
     cache_warmth = ("vLLM prefix caching on (its default); measured prompts were never sent before, so only the "
                     "shared chat-template header can hit the prefix cache")
@@ -219,6 +191,15 @@ class VllmBackend(Backend):
         except UserError as exc:
             return str(exc)
         return None
+
+    @classmethod
+    def quality_plan(cls, config: Config) -> QualityPlan:
+        """lm-eval's ``vllm`` model (evals.harness) on the point's compressed-tensors export, in its serving dtype,
+        against the unquantized source model on the reference runtime; no fidelity (vLLM's logits are not the
+        native build's)."""
+        base = config.transformation
+        return QualityPlan(replace(as_checkpoint(base), backend="vllm"), reference_model=str(resolve_model(base.model)),
+                           fidelity=False)
 
     # engines start lazily, once, and serve every later run
     @property
