@@ -211,7 +211,7 @@ def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_p
 
     from quantspec.cli import main
 
-    monkeypatch.setattr("quantspec.cli.cmd_specdec.DEFAULT_MODE", "default")
+    monkeypatch.setattr("quantspec.cli.cmd_specdec.DEFAULT_COMPILE_MODE", "default")
 
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "accept.json"
     prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))

@@ -58,7 +58,7 @@ def train_draft(
     bar = progress(TextColumn("{task.fields[detail]}"))
     tasks: dict[str, int] = {}
 
-    def progress(stage, done, total, detail):
+    def on_progress(stage, done, total, detail):
         if stage == "epoch":
             console.print(f"epoch {done}/{total}: {detail}")
             return
@@ -67,7 +67,7 @@ def train_draft(
         bar.update(tasks[stage], completed=done, total=total, detail=detail)
 
     with bar:
-        result = quantspec.train_draft(lm, out, cfg, data_dir, progress, target_name=model)
+        result = quantspec.train_draft(lm, out, cfg, data_dir, on_progress, target_name=model)
     console.print(f"{result.n_sequences} sequences ({result.n_alpaca_answers} Alpaca and {result.n_context_answers} "
                   f"long-context answers; {result.n_train_tokens} training positions, "
                   f"{result.n_dropped_prompts} prompts dropped for overlapping a benchmark turn), {result.steps} steps; "
