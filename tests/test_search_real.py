@@ -62,7 +62,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     assert length["reference_mean_tokens"] > 0 and 0 <= length["eot_rate"] <= 1 and length["band"] == [0.9, 1.1]
     assert ("length_band" in spec_trial.constraints) and ref.user_attrs["length"]["ratio"] == 1.0
     summary = summarize(study)
-    assert summary.conditions.startswith("model default, bf16, quality on arc_easy, ")  # the plot's subtitle
+    assert summary.conditions.startswith("model default (SmolLM2-135M-Instruct), bf16, quality on arc_easy, ")  # subtitle
     row = next(r for r in summary.rows if r.number == 1)
     assert "q4_1" in row.notes and any("Q4_1" in line for line in footer_lines(summary))
 
