@@ -48,9 +48,12 @@ def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repea
 
 
 def load_hf(lm: LoadedModel):
+    """The same weights through transformers (its weight-loading bar off: the comparison's table is the output)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    return AutoModelForCausalLM.from_pretrained(lm.path, torch_dtype=lm.dtype, use_safetensors=True).to(lm.device).eval()
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(lm.path, dtype=lm.dtype, use_safetensors=True).to(lm.device).eval()
 
 
 def native_block(lm: LoadedModel, prompt_ids: list[int], new_tokens: int):
