@@ -67,9 +67,11 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
         engine=EngineCondition("native", {"dtype": lm.precision, "attention": lm.model.attn_implementation,
                                           "threads": torch.get_num_threads(),
                                           "proposer": proposer, "sampling": vars(sampling),
-                                          "compile_mode": sweep.compile_mode},
-                               warmup="one 8-token request per engine (plain and each K), excluded" + (
-                                   "; then every verification length compiled and probed" if sweep.compile_mode else ""),
+                                          "compile_mode": sweep.compile_mode, "step": sweep.step,
+                                          "compile_s": sweep.compile_s},
+                               warmup=("every verification length compiled and probed (compile_s, one-time); "
+                                       if sweep.compile_mode else "") +
+                                      "one 8-token request per engine (plain and each K), excluded",
                                cache_warmth="KV caches reset per request; weights resident in RAM"),
         metric=MetricCondition(METRICS, "greedy rows: tokens compared with plain greedy decoding "
                                         "(greedy_equal = identical requests); " + (

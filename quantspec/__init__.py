@@ -27,7 +27,7 @@ from quant.scheme import QuantScheme, parse_scheme, register_preset
 from quant.sizing import ModelInfo, model_info
 from runtime.answer import Answer
 from runtime.answer import answer as generate
-from runtime.compiled import DEFAULT_MODE as DEFAULT_COMPILE_MODE
+from runtime.compiled import DEFAULT_MODE as DEFAULT_COMPILE_MODE, CompileChoice, resolve_compile
 from runtime.data import load_prompts
 from runtime.errors import UserError
 from runtime.loading import DEFAULT_DTYPE, LoadedModel, load_model
@@ -143,7 +143,7 @@ __all__ = [
     "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "BackendComparison", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
     "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "DashboardServer", "QuantScheme", "UserError",
     "DEFAULT_DTYPE", "TrainConfig", "TrainResult", "Answer", "ModelInfo", "CalibConfig", "SpeedProtocol",
-    "DEFAULT_COMPILE_MODE", "DEFAULT_STUDY_DIR", "DEMO_DIR", "GRACE_S", "HEARTBEAT_S", "ALPHA", "require_optuna",
+    "DEFAULT_COMPILE_MODE", "CompileChoice", "resolve_compile", "DEFAULT_STUDY_DIR", "DEMO_DIR", "GRACE_S", "HEARTBEAT_S", "ALPHA", "require_optuna",
     # extend: subclass, then register
     "WeightMethod", "register_method", "register_preset", "Observer", "register_observer", "Kernel",
     "register_kernel", "Proposer", "Proposal", "register_proposer", "Backend", "register_backend",

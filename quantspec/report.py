@@ -54,6 +54,13 @@ def output_length(record: RunRecord) -> str:
     return str(out["fixed"]) if "fixed" in out else f"{out['mean']:.0f} (to end of turn, <= {out['max']})"
 
 
+def step_line(engine: dict) -> str:
+    """The decode step a record ran and its one-time compile cost (``runtime.compiled``), for table titles."""
+    step = engine.get("step") or "eager"
+    return f"{step} step, compiled in {engine['compile_s']:.0f} s (one-time)" if engine.get("compile_s") else \
+        f"{step} step"
+
+
 def print_sweep(record: RunRecord) -> None:
     res = record.results
     base = res["baseline"]
@@ -61,7 +68,8 @@ def print_sweep(record: RunRecord) -> None:
     ref_title = f", plain with {ref['attention']} attention {ref['tok_s']:.1f}" if ref else ""
     table = Table(title=f"{res['proposer']} on {record.model.model_id} {record.model.precision}, "
                         f"T={record.engine.config['sampling']['temperature']}, {record.lengths.n_requests} prompts "
-                        f"x {output_length(record)} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}")
+                        f"x {output_length(record)} tokens; plain {base['tok_s']:.1f} tok/s{ref_title}; "
+                        f"{step_line(record.engine.config)}")
     cols = ["K", "α", "β", "τ", "acc. per pos.", "tok/s", "speedup [95% CI]", "Thm 3.8", "refined", "c", "V(K)"]
     greedy = "greedy_equal" in res["rows"][0]
     ended = "speedup_ended" in res["rows"][0]
@@ -444,6 +452,9 @@ def print_bench(title: str, runs: list) -> None:
             _repeated(s, "speedup", ".2f", "x") if s.get("speedup") else "-", f"{s['peak_rss_mib']:.0f}",
             str(s["n_failed"]))
     console.print(table)
+    steps = dict.fromkeys(step_line(r.record.engine.config) for r in runs if r.record.engine.config.get("step"))
+    if steps:
+        note(f"[dim]native decode: {'; '.join(steps)}[/]")
     ok = [r.summary for r in runs if not r.failed and "load" in r.summary]
     if ok:
         load, repeated = ok[-1]["load"], ok[-1].get("repeats")

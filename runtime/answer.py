@@ -15,7 +15,7 @@ class Answer:
     result: GenerationResult
     lm: LoadedModel
     attention: str
-    step: str  # "eager step" or "compiled step (MODE)"
+    step: str  # "eager step", "compiled (MODE) step" or "eager (fallback: why) step" (``Decoder.step_label``)
     threads: ThreadChoice
 
     def speed_line(self) -> str:
@@ -34,5 +34,5 @@ def answer(prompt: str, model: str = "default", dtype: str = DEFAULT_DTYPE, max_
     ids = encode_prompt(lm.tokenizer, prompt, chat=chat)
     decoder = Decoder(lm, max_len=len(ids) + max_new_tokens + 1, compile_mode=compile_mode)
     result = decoder.generate(ids, max_new_tokens, sampling)
-    step = "eager step" if decoder.step is None or decoder.step.fallback else f"compiled step ({compile_mode})"
+    step = f"{decoder.step_label} step"
     return Answer(result, lm, attention, step, choice)

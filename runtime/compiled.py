@@ -5,19 +5,79 @@ mask hiding positions not yet written, so its shapes depend on n only and one ``
 position (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor). A ``Decoder``
 compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
 step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
+
+Where speed is measured the setting is ``--compile``: ``auto`` (compile in ``DEFAULT_MODE`` where inductor can
+build here), ``eager``, or a mode name (``resolve_compile``). Inductor's kernels are cached under
+``$QUANTSPEC_HOME/inductor``; its FX-graph cache skips graphs with frozen, mkldnn-packed weights (torch 2.13:
+"mkldnn tensors unpickleable"), so each process still pays tracing and lowering, reported as ``compile_s``.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import time
 import types
+from dataclasses import dataclass
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
 
+from runtime.errors import UserError
+from runtime.hardware import quantspec_home
 from runtime.transformer import Transformer
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 # the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
+SETTINGS = ("auto", "eager", *MODES)
+COMPILE_ENV = "QUANTSPEC_COMPILE"  # what ``auto`` means on this machine, e.g. eager for a quick test run
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """What a ``--compile`` setting resolved to: an inductor ``mode`` (None: the eager step) and why."""
+
+    setting: str
+    mode: str | None
+    why: str = ""
+
+    @property
+    def label(self) -> str:
+        """As tables and records say it: ``compiled (MODE)``, ``eager`` or ``eager (fallback: reason)``."""
+        if self.mode:
+            return f"compiled ({self.mode})"
+        return f"eager ({self.why})" if self.why else "eager"
+
+
+def compiler_missing(device: str = "cpu") -> str | None:
+    """Why inductor cannot build kernels for ``device`` here, or None."""
+    if str(device).startswith("cuda"):
+        from torch.utils._triton import has_triton
+        return None if has_triton() else "no triton for inductor's GPU kernels"
+    cxx = os.environ.get("CXX") or "g++"
+    return None if shutil.which(cxx) or shutil.which("clang++") else f"no C++ compiler ({cxx}) for inductor"
+
+
+def resolve_compile(setting: str = "auto", device: str = "cpu") -> CompileChoice:
+    """``--compile`` as run here: ``auto`` is ``$QUANTSPEC_COMPILE`` when set, else ``DEFAULT_MODE``; a mode
+    that cannot build here runs eager, labelled with the reason."""
+    if setting not in SETTINGS:
+        raise UserError(f"--compile {setting!r} is not a setting: use one of {', '.join(SETTINGS)}")
+    asked = setting
+    if setting == "auto":
+        setting = os.environ.get(COMPILE_ENV, "").strip() or DEFAULT_MODE
+        if setting not in SETTINGS or setting == "auto":
+            raise UserError(f"{COMPILE_ENV}={setting!r} is not a setting: use one of {', '.join(SETTINGS[1:])} "
+                            "(or unset it)")
+    if setting == "eager":
+        return CompileChoice(asked, None, f"{COMPILE_ENV}=eager" if asked == "auto" else "")
+    missing = compiler_missing(device)
+    return CompileChoice(asked, None, f"fallback: {missing}") if missing else CompileChoice(asked, setting)
+
+
+def use_cache_dir() -> str:
+    """Inductor's on-disk cache under ``$QUANTSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says where."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(quantspec_home() / "inductor"))
 
 
 def static_step(model: Transformer, tokens: torch.Tensor,
@@ -40,6 +100,8 @@ class CompiledStep:
             raise ValueError(f"unknown compile mode {mode!r}: use one of {', '.join(MODES)}")
         self.model, self.mode = model, mode
         self.fallback: str | None = None
+        self.compile_s: float | None = None  # the first call: tracing, lowering and building (one-time)
+        use_cache_dir()
         # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
         self._config = {**torch._inductor.list_mode_options(mode), "freezing": True}
         # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
@@ -50,10 +112,14 @@ class CompiledStep:
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fallback is None:
+            start = time.perf_counter()
             try:
                 with torch._inductor.config.patch(self._config):
                     return self._compiled(self.model, tokens, input_pos)
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")
+            finally:
+                if self.compile_s is None:
+                    self.compile_s = time.perf_counter() - start
         return self.model(tokens, input_pos, return_hidden=True)

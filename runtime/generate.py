@@ -72,6 +72,7 @@ class Decoder:
         self.eos_ids = eos_token_ids(lm)
         self.model.setup_cache(1, self.max_len, cache_factory)
         self.compile_mode = compile_mode
+        self.fallback: str | None = None  # why decoding went back to the eager step (``fall_back``)
         self.steps: dict[int, CompiledStep] = {1: CompiledStep(self.model, compile_mode)} if compile_mode else {}
         self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
         self.aux_layers: tuple[int, ...] = ()  # layers whose outputs precede it in ``hidden``
@@ -81,16 +82,39 @@ class Decoder:
         """The compiled one-token step (None without ``compile_mode``)."""
         return self.steps.get(1)
 
+    @property
+    def step_label(self) -> str:
+        """What decoding runs, as records say it: ``eager``, ``compiled (MODE)``, ``eager (fallback: why)`` when
+        the one-token step did not compile, or the verification lengths that ran eager."""
+        if self.fallback:
+            return f"eager (fallback: {self.fallback})"
+        if not self.compile_mode:
+            return "eager"
+        if self.step.fallback:
+            return f"eager (fallback: {self.step.fallback})"
+        eager = sorted(n for n, s in self.steps.items() if s.fallback)
+        return f"compiled ({self.compile_mode})" + (f"; {eager}-token verification eager (fallback: "
+                                                    f"{self.steps[eager[0]].fallback})" if eager else "")
+
+    def fall_back(self, reason: str) -> None:
+        """Decode on the eager step from now on, and say why in ``step_label``."""
+        self.compile_mode, self.fallback = None, reason
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compiled steps took to build so far (one-time; not in any decode time measured after)."""
+        return sum(s.compile_s or 0.0 for s in self.steps.values())
+
     def keep_hidden(self, aux_layers: tuple[int, ...] = ()) -> None:
         """From now on every forward also stores the final-norm hidden state of each position it runs, after the
         outputs of ``aux_layers`` (concatenated; rows past ``pos`` after a rollback are stale and overwritten later,
-        like the KV cache). Logits are unchanged."""
+        like the KV cache; compiled steps do not return those, so decoding falls back to eager). Logits are
+        unchanged."""
         aux_layers = tuple(aux_layers)
         if self.hidden is not None and aux_layers != self.aux_layers:
             raise UserError(f"this decoder already keeps the outputs of layers {self.aux_layers}, not {aux_layers}")
         if aux_layers and self.compile_mode:
-            raise UserError("a fused EAGLE head reads intermediate layers, which the compiled steps do not return: "
-                            "speculate without --compile")
+            self.fall_back("a fused EAGLE head reads intermediate layers, which the compiled steps do not return")
         if self.hidden is None:
             dtype = self.model.embed_tokens.weight.dtype
             width = (len(aux_layers) + 1) * self.model.args.dim

@@ -86,21 +86,40 @@ class SpeculativeDecoder:
             logits = decoder.forward(tokens, compiled=True)
         else:
             logits, self.differing[n] = compiled_rows_differing(decoder, tokens)
-        if self.differing[n] and self.sampling.greedy and not (decoder.steps[1].fallback or decoder.steps[n].fallback):
-            raise UserError(f"greedy speculation with --compile would not be token-exact here: the compiled {n}-token "
-                            f"verification step's logits differ bitwise from the compiled one-token step's in "
-                            f"{self.differing[n]} of {n} rows ({decoder.lm.precision}); speculate with --no-compile")
+        inexact = self._inexact(n)
+        if inexact:
+            raise UserError(f"greedy speculation with --compile would not be token-exact here: {inexact}; "
+                            "speculate with --compile eager")
         return logits
 
-    def prepare(self, prompt_ids: list[int], k: int) -> None:
+    def _inexact(self, n: int) -> str | None:
+        """Why greedy speculation through the compiled n-token verification could differ from plain compiled
+        decoding (a row of its probe differed bitwise), or None."""
+        decoder = self.decoder
+        if not (self.differing.get(n) and self.sampling.greedy) or decoder.steps[1].fallback or decoder.steps[n].fallback:
+            return None
+        return (f"the compiled {n}-token verification step's logits differ bitwise from the compiled one-token "
+                f"step's in {self.differing[n]} of {n} rows ({decoder.lm.precision})")
+
+    def prepare(self, prompt_ids: list[int], k: int) -> str | None:
         """Compiled: build and probe the verification step of every length a round up to ``k`` can use (drafts
-        may run short, as n-gram ones do), so that no timed round compiles. Eager: nothing to do."""
+        may run short, as n-gram ones do), so that no timed round compiles. Where a probe refuses greedy
+        speculation, decoding goes back to the eager step (``Decoder.step_label`` says why); returns that reason.
+        Eager: nothing to do."""
         if self.decoder.compile_mode is None:
-            return
+            return None
         for n in range(2, k + 2):
             self.decoder.rollback(0)
             self.decoder.forward(prompt_ids)
-            self.verify_logits(prompt_ids[-1:] * n)
+            start = self.decoder.pos
+            if n not in self.differing:
+                self.differing[n] = compiled_rows_differing(self.decoder, prompt_ids[-1:] * n)[1]
+            self.decoder.rollback(start)
+            reason = self._inexact(n)
+            if reason:
+                self.decoder.fall_back(reason)
+                return reason
+        return None
 
     def step(self, context: list[int], k: int, generator, stats: AcceptanceStats) -> list[int]:
         """One propose + verify round after ``context`` (the target cache holds all of it but the last token);

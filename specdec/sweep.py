@@ -174,6 +174,8 @@ class SweepResult:
     verify_cost: list[float]
     ignore_eos: bool = True
     compile_mode: str | None = None
+    step: str = "eager"  # what decoding ran (``Decoder.step_label``)
+    compile_s: float = 0.0  # one-time build of the compiled steps, apart from every rate
 
     @property
     def best_k(self) -> int:
@@ -198,13 +200,15 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len, compile_mode)
+    fell = spec.prepare(prompts[0], max(ks))
+    if fell:  # plain decoding on the step speculation runs, so that speedup, c and V(K) compare like with like
+        plain.fall_back(f"as speculation: {fell}")
     warm = prompts[0], min(8, max_new_tokens)
     for decoder in filter(None, (plain, reference_plain)):
         decoder.generate(*warm, sampling, ignore_eos=True)
     for k in ks:
         spec.k = k
         spec.generate(*warm, ignore_eos=True)
-    spec.prepare(prompts[0], max(ks))
     base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
         base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
@@ -247,4 +251,5 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
                                    [r.decode_tokens_per_s for r in ref]) if reference else None
     baseline = Baseline(plain_tok_s, step_s * 1e3, len(prompts), [r.decode_tokens_per_s for r in base],
                         [len(r.tokens) for r in base], [r.finish_reason == "eos" for r in base], reference_rate)
-    return SweepResult(baseline, rows, curve, ignore_eos, compile_mode)
+    return SweepResult(baseline, rows, curve, ignore_eos, compile_mode, spec.decoder.step_label,
+                       plain.compile_s + spec.decoder.compile_s)

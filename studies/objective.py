@@ -129,10 +129,10 @@ class RealEvaluator:
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
                  fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None,
-                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, **_):
+                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, compile: str = "eager", **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
-        self.floor, self.threads = floor, threads
+        self.floor, self.threads, self.compile = floor, threads, compile
         self.length_tokens = length_tokens
         self.protocol = protocol or SpeedProtocol()
         self.reference: Config | None = None
@@ -148,6 +148,7 @@ class RealEvaluator:
                 "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
                 "quality_dtype": "bf16 (native), serving dtype (vllm)",
                 "length_tokens": self.length_tokens, "load": "closed loop, concurrency 1", "threads": self.threads,
+                "compile": self.compile,
                 "speed_protocol": asdict(self.protocol)}
 
     def prepare(self, space: SearchSpace, floor: str) -> None:
@@ -202,7 +203,7 @@ class RealEvaluator:
         return self._lengths[config]
 
     def speed(self, config: Config) -> SpeedResult:
-        serving = serving_config(config, threads=self.threads)
+        serving = serving_config(config, threads=self.threads, compile=self.compile)
         t0 = time.perf_counter()
         # the reference point runs on the resident reference engine when points are paired with it
         own = config != self.reference or self._unpaired_reason(config) is not None
@@ -246,7 +247,7 @@ class RealEvaluator:
     def _reference_backend(self):
         """The reference engine, opened once and kept resident beside every candidate (interleavable backends)."""
         if self._reference is None:
-            self._reference = open_backend(serving_config(self.reference, threads=self.threads))
+            self._reference = open_backend(serving_config(self.reference, threads=self.threads, compile=self.compile))
         return self._reference
 
     def _unpaired_reason(self, config: Config) -> str | None:

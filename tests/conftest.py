@@ -10,6 +10,10 @@ import torch
 
 from quant.calibration import CalibConfig
 
+# `--compile auto` means eager in the suite: a compiled step costs about a minute on the default model, and the
+# compiled paths are tested with explicit modes (test_compiled.py); set QUANTSPEC_COMPILE to run the suite compiled
+os.environ.setdefault("QUANTSPEC_COMPILE", "eager")
+
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -6,7 +6,7 @@ import torch
 
 from conftest import require_bf16_exact
 from quant.kvcache import make_cache_factory
-from runtime.compiled import DEFAULT_MODE, CompiledStep
+from runtime.compiled import COMPILE_ENV, DEFAULT_MODE, CompiledStep, resolve_compile
 from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
@@ -119,9 +119,9 @@ def test_cli_generate_compile_prints_the_eager_text(tiny_llama_dir, one_thread, 
         text, summary = capsys.readouterr().out.rsplit("prompt ", 1)  # the answer, then the speed line
         return text, " ".join(summary.split())
 
-    eager_text, eager_line = run("--no-compile")
-    text, line = run("--compile")
-    assert text == eager_text and f"compiled step ({DEFAULT_MODE})" in line and "eager step" in eager_line
+    eager_text, eager_line = run("--compile", "eager")
+    text, line = run("--compile", "default")
+    assert text == eager_text and "compiled (default) step" in line and "eager step" in eager_line
 
 
 def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
@@ -176,7 +176,7 @@ def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_
     assert result.tokens == plain and result.stats["alpha"] == 1.0
     # negative control: a verification step one of whose rows differs is refused, though its argmax is the same
     monkeypatch.setattr("runtime.generate.CompiledStep", PerturbedVerify)
-    with pytest.raises(UserError, match="differ bitwise .* in 1 of 4 rows .*--no-compile"):
+    with pytest.raises(UserError, match="differ bitwise .* in 1 of 4 rows .*--compile eager"):
         speculate(tiny_bf16, tiny_llama_dir)
 
 
@@ -196,25 +196,31 @@ def test_prepare_compiles_every_verification_length_before_timing(tiny_bf16, tin
 
 def test_compiled_fp32_greedy_speculation_is_refused_in_one_line(tiny, tiny_llama_dir):
     """fp32, mode "default": inductor's K+1-token GEMMs round differently from its one-token ones on this CPU (every
-    row, by ~1e-7; max-autotune's GEMM templates probed equal), so greedy speculation with compile is refused,
-    naming --no-compile; sampling (exact in distribution only) runs."""
+    row, by ~1e-7; max-autotune's GEMM templates probed equal), so greedy speculation meeting an unprobed length is
+    refused, naming --compile eager; ``prepare`` (run before every timed run) falls back to the eager step instead,
+    saying why; sampling (exact in distribution only) runs compiled."""
     spec = SpeculativeDecoder(tiny, f"draft:{tiny_llama_dir}", K, max_len=64, compile_mode="default")
     with pytest.raises(UserError) as err:
         spec.generate(PROMPT, 16, ignore_eos=True)
-    assert "\n" not in str(err.value) and "--no-compile" in str(err.value) and spec.differing[K + 1] > 0
+    assert "\n" not in str(err.value) and "--compile eager" in str(err.value) and spec.differing[K + 1] > 0
     spec.sampling = SamplingConfig(temperature=1.0, seed=0)
     assert len(spec.generate(PROMPT, 16, ignore_eos=True).tokens) == 16
+    assert spec.prepare(PROMPT, K) is None and spec.decoder.step_label == "compiled (default)"  # sampling: no refusal
+    spec.sampling = SamplingConfig()
+    reason = spec.prepare(PROMPT, K)
+    assert "differ bitwise" in reason and spec.decoder.step_label == f"eager (fallback: {reason})"
+    _, plain = greedy(tiny)
+    assert spec.generate(PROMPT, 24, ignore_eos=True).tokens == plain  # eager speculation: plain eager's tokens
 
 
-def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_path, capsys, monkeypatch):
+def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_path, capsys):
     """``quantspec accept --compile`` and ``check-lossless --compile`` (in mode "default": max-autotune's choice of
     kernels varies with timing): bf16 speculation through the compiled steps equals compiled plain greedy decoding
-    (the records name the mode); fp32 is refused in one line naming --no-compile."""
+    (the records name the mode and the step); fp32, whose probe refuses greedy speculation, runs eager, saying why
+    in the record and the table."""
     import json
 
     from quantspec.cli import main
-
-    monkeypatch.setattr("quantspec.cli.cmd_specdec.DEFAULT_COMPILE_MODE", "default")
 
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "accept.json"
     prompts.write_text(json.dumps({"prompt": "abcabcabc abc"}))
@@ -223,17 +229,71 @@ def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_p
         with pytest.raises(SystemExit) as exit_:
             main([command, str(tiny_llama_dir), "--spec", f"draft:{tiny_llama_dir}", "--k", "2", "--dataset-name",
                   str(prompts), "-n", "1", "--output-len", "8", "--dtype", dtype, "--threads", "1", "--json", str(out),
-                  "--compile", *flags])
+                  "--compile", "default", *flags])
         return exit_.value.code
 
     assert run("accept", "bf16") == 0
     record = json.loads(out.read_text())
-    assert record["engine"]["config"]["compile_mode"] == "default"
+    engine = record["engine"]["config"]
+    assert engine["compile_mode"] == "default" and engine["step"] == "compiled (default)" and engine["compile_s"] > 0
     assert record["results"]["rows"][0]["greedy_equal"] == 1
+    assert "compiled (default) step, compiled in" in " ".join(capsys.readouterr().out.split())
     assert run("check-lossless", "bf16", "--samples", "50", "--prefixes", "1", "--synthetic-samples", "1000") == 0
     record = json.loads(out.read_text())
     assert record["engine"]["config"]["compile_mode"] == "default" and record["results"]["greedy_mismatches"] == []
-    capsys.readouterr()
-    assert run("accept", "fp32") == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "--no-compile" in errors[0]
+    assert run("accept", "fp32") == 0
+    record = json.loads(out.read_text())
+    assert record["engine"]["config"]["step"].startswith("eager (fallback: the compiled ")
+    assert record["results"]["rows"][0]["greedy_equal"] == 1
+
+
+# ---- --compile where speed is measured: the setting, and the native serving backend ----
+
+def test_compile_setting_resolves_auto_and_labels_what_runs(monkeypatch):
+    """``auto`` is DEFAULT_MODE, or what $QUANTSPEC_COMPILE says; without a C++ compiler a mode runs eager,
+    labelled with the reason (negative control: with one it compiles); a typo is refused in one line."""
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert resolve_compile("auto").mode == DEFAULT_MODE and resolve_compile("auto").label == f"compiled ({DEFAULT_MODE})"
+    assert resolve_compile("eager").label == "eager" and resolve_compile("default").mode == "default"
+    monkeypatch.setenv(COMPILE_ENV, "eager")
+    assert resolve_compile("auto").label == f"eager ({COMPILE_ENV}=eager)" and resolve_compile("default").mode
+    monkeypatch.setenv(COMPILE_ENV, "fastest")
+    with pytest.raises(UserError, match=f"{COMPILE_ENV}='fastest' is not a setting"):
+        resolve_compile("auto")
+    with pytest.raises(UserError, match="--compile 'on' is not a setting"):
+        resolve_compile("on")
+    monkeypatch.setattr("runtime.compiled.shutil.which", lambda name: None)
+    choice = resolve_compile("default")
+    assert choice.mode is None and choice.label.startswith("eager (fallback: no C++ compiler")
+
+
+def test_native_backend_measures_the_compiled_step(tiny_llama_dir, one_thread, tmp_path, monkeypatch):
+    """``ServingConfig.compile``: the native engine decodes (and verifies drafts) through compiled steps built in
+    the warm-up, reports the step and its one-time compile time apart, and emits the tokens the eager engine does
+    (fp32); a configuration whose step does not compile (fp8 KV cache) runs eager, labelled."""
+    from evals.config import Config
+    from serving.bench_api import run_benchmark
+    from serving.backends.base import ServingConfig
+    from serving.loadgen import LoadSpec
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abcabc abcabc"}\n{"prompt": "hello hello"}\n')
+
+    def bench(compile, **point):
+        config = ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype="fp32", **point), max_model_len=128,
+                               threads=1, compile=compile)
+        result = run_benchmark(config, str(prompts), LoadSpec.closed(1), num_prompts=2, output_len=12)
+        assert not result.failed, result.summary
+        return result.record.engine, [r.token_ids for r in result.results]
+
+    engine, tokens = bench("default")
+    assert engine.config["step"] == "compiled (default)" and engine.config["compile_s"] > 0
+    assert engine.warmup.startswith("engine: compiled (default) step built in")
+    eager_engine, eager_tokens = bench("eager")
+    assert eager_engine.config["step"] == "eager" and eager_engine.config["compile_s"] == 0
+    assert tokens == eager_tokens
+    spec_engine, spec_tokens = bench("default", spec="ngram:min=1,max=2", k=2)
+    assert spec_engine.config["step"].startswith(("compiled (default)", "eager (fallback: the compiled "))
+    assert spec_tokens == eager_tokens  # compiled or fallen back, greedy speculation keeps plain decoding's tokens
+    fp8_engine, _ = bench("default", kv="fp8")
+    assert fp8_engine.config["step"].startswith("eager (fallback: ")

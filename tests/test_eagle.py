@@ -448,8 +448,12 @@ def test_decoder_keeps_the_fused_layers_outputs(tiny):
     assert not torch.allclose(fused.hidden[:5, :d], outputs[1], atol=1e-3)
     with pytest.raises(UserError, match="already keeps"):
         fused.keep_hidden((1,))
-    with pytest.raises(UserError, match="without --compile"):
-        Decoder(tiny, 64, compile_mode="default").keep_hidden((0,))
+    compiled = Decoder(tiny, 64, compile_mode="default")
+    compiled.keep_hidden(())  # the final hidden state alone: the compiled steps return it
+    assert compiled.step_label == "compiled (default)"
+    fell = Decoder(tiny, 64, compile_mode="default")
+    fell.keep_hidden((0,))  # intermediate layers: the compiled steps do not return them, so decoding goes eager
+    assert fell.compile_mode is None and fell.step_label.startswith("eager (fallback: a fused EAGLE head")
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,12 @@ NumPromptsOption = typer.Option(8, "--num-prompts", "-n", help="Number of prompt
 OutputLenOption = typer.Option(64, "--output-len", help="Fixed output length per prompt (ignore_eos).")
 DatasetOption = typer.Option("spec_bench", "--dataset-name", help="Prompts: spec_bench | mt_bench | PATH.jsonl.")
 KOption = typer.Option("1,2,4,8", "--k", help="Draft lengths: a list 1,2,4,8, a range 1-8, or both (1-4,8); 1..32.")
-CompileOption = typer.Option(False, "--compile/--no-compile", metavar="", help="Decode through torch.compile'd steps (one-token, "
-                             "and speculation's K+1-token verification; each compiles on first use; prefill eager).")
+def compile_option(default: str):
+    """``--compile``: the decode step speed is measured on (one meaning in every command that has it)."""
+    return typer.Option(default, "--compile", help="Decode step: auto (compiled in inductor's max-autotune-no-"
+                        "cudagraphs mode where it builds here, else eager, labelled; $QUANTSPEC_COMPILE sets what auto "
+                        "means), eager, default or max-autotune-no-cudagraphs. One-token and K+1-token verification "
+                        "steps compile once per process (reported apart as compile_s); prefill stays eager.")
 
 
 def pick_model(positional: str | None, option: str | None) -> str:

@@ -7,7 +7,7 @@ import typer
 
 import quantspec
 from quantspec import Config, ServingConfig
-from quantspec.cli.app import DataDirOption, ModelArgument, ModelOption, app, pick_model
+from quantspec.cli.app import DataDirOption, ModelArgument, ModelOption, app, compile_option, pick_model
 from quantspec.report import note, print_bench, print_caveat, progress
 
 
@@ -53,6 +53,7 @@ def bench(
     data_dir: str = DataDirOption,
     smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
                                       help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
+    compile: str = compile_option("auto"),
 ):
     """Measure MODEL's effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
     model = pick_model(model, model_option)
@@ -60,7 +61,7 @@ def bench(
     slo = quantspec.SLO.parse(goodput) if goodput else quantspec.SLO()
     spec_configs = [ServingConfig(Config.parse(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=one_k,
                                                backend=backend, smoothquant=smoothquant),
-                                  temperature=temperature, max_model_len=max_model_len, port=port)
+                                  temperature=temperature, max_model_len=max_model_len, port=port, compile=compile)
                     for one_k in quantspec.parse_ks(k)]
     config = spec_configs[0]
     if not config.config.speculative:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import typer
 
 import quantspec
-from quantspec.cli.app import CompileOption, DeviceOption, DtypeOption, ModelArgument, ModelOption, app, flag, pick_model
+from quantspec.cli.app import (DeviceOption, DtypeOption, ModelArgument, ModelOption, app, compile_option, flag,
+                               pick_model)
 from quantspec.report import console, note, print_answer, print_decode_comparison, print_study, search_with_progress
 
 
@@ -25,13 +26,13 @@ def generate(
     no_chat: bool = flag("--no-chat", help="Do not apply the chat template."),
     attention: str = typer.Option("sdpa", help="sdpa (fastest on short histories) or eager (batch-invariant: "
                                                "the text `accept` and `check-lossless` compare against in bf16)."),
-    compile: bool = CompileOption,
+    compile: str = compile_option("eager"),
 ):
     """Generate an answer with the native runtime and print a one-line speed summary."""
     print_answer(quantspec.generate(prompt, pick_model(model, model_option), dtype, max_new_tokens,
                                     quantspec.SamplingConfig(temperature, top_k, top_p, seed), threads,
                                     chat=False if no_chat else None, attention=attention,
-                                    compile_mode=quantspec.DEFAULT_COMPILE_MODE if compile else None, device=device))
+                                    compile_mode=quantspec.resolve_compile(compile, device).mode, device=device))
 
 
 @app.command()

@@ -10,7 +10,7 @@ import typer
 
 import quantspec
 from quantspec import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S, UserError, require_optuna
-from quantspec.cli.app import DataDirOption, app, flag
+from quantspec.cli.app import DataDirOption, app, compile_option, flag
 from quantspec.report import console, print_study, search_with_progress
 
 
@@ -77,6 +77,7 @@ def search(
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
                                  help="Also write the table as JSON."),
+    compile: str = compile_option("eager"),
 ):
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
     require_optuna("quantspec search")
@@ -89,7 +90,7 @@ def search(
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout, heartbeat_s=heartbeat,
         grace_s=grace, length_band=length_band)
     trial_evaluator = quantspec.get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
-                                    output_len=new_tokens, threads=threads,
+                                    output_len=new_tokens, threads=threads, compile=compile,
                                     protocol=quantspec.SpeedProtocol(threshold=noise_threshold))
     outcome = search_with_progress(settings, trial_evaluator)
     if outcome.recovered:

@@ -7,10 +7,10 @@ import sys
 import typer
 
 import quantspec
-from quantspec import ALPHA, DEFAULT_COMPILE_MODE, SamplingConfig
-from quantspec.cli.app import (CompileOption, DataDirOption, DatasetOption, DeviceOption, DtypeOption, KOption,
+from quantspec import ALPHA, SamplingConfig
+from quantspec.cli.app import (DataDirOption, DatasetOption, DeviceOption, DtypeOption, KOption,
                                ModelArgument, ModelOption, NumPromptsOption, OutputLenOption, OutputPathOption,
-                               SpecOption, app, flag, pick_model)
+                               SpecOption, app, compile_option, flag, pick_model)
 from quantspec.report import console, note, plot_sweep, print_lossless, print_sweep, progress
 
 
@@ -34,7 +34,7 @@ def accept(
     json_out: str = OutputPathOption,
     plot: str = typer.Option(None, "--plot", help="Write a PNG of α, τ and speedup vs K."),
     data_dir: str = DataDirOption,
-    compile: bool = CompileOption,
+    compile: str = compile_option("auto"),
 ):
     """Acceptance (α, τ, per position) and speedup vs K of proposer --spec on MODEL, beside Leviathan's prediction."""
     model = pick_model(model, model_option)
@@ -48,7 +48,7 @@ def accept(
         record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, dataset, output_len, sampling,
                                               ignore_eos=not natural_eos,
                                               tick=lambda what: bar.update(task, advance=1, description=what),
-                                              compile_mode=DEFAULT_COMPILE_MODE if compile else None)
+                                              compile_mode=quantspec.resolve_compile(compile).mode)
     print_sweep(record)
     if json_out:
         note(f"run record: {record.write(json_out)}")
@@ -78,7 +78,7 @@ def check_lossless(
     alpha: float = typer.Option(ALPHA, help="False-alarm bound of each distribution and acceptance test."),
     json_out: str = OutputPathOption,
     data_dir: str = DataDirOption,
-    compile: bool = CompileOption,
+    compile: str = compile_option("eager"),
 ):
     """Greedy token equality with plain decoding; sampled first steps (TV beyond the exact-sampler noise, first-
     position acceptance vs Σ min(p, q)) and a synthetic joint/bonus test, each with its detectable effect at
@@ -92,7 +92,7 @@ def check_lossless(
             result = quantspec.check_lossless(model, spec, one_k, dataset, num_prompts, output_len, samples, prefixes,
                                               synthetic_samples, sampling, dtype, threads, alpha, data_dir,
                                               tick=lambda what: bar.update(task, advance=1, description=f"K={one_k}: {what}"),
-                                              compile_mode=DEFAULT_COMPILE_MODE if compile else None)
+                                              compile_mode=quantspec.resolve_compile(compile).mode)
         print_lossless(result, one_k, alpha, num_prompts, output_len)
         results.append(result)
     if json_out:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from evals.config import DEFAULT_BACKEND, Config
+from runtime.compiled import SETTINGS
 from runtime.errors import UserError
 from runtime.measure import Sample
 from runtime.registry import Registry
@@ -22,6 +23,7 @@ class ServingConfig:
     max_model_len: int = 1024
     threads: int | None = None
     port: int = 0  # vllm serve port for open-loop runs (0 = a free one); not part of the config's identity
+    compile: str = "auto"  # native decode step: auto | eager | an inductor mode (runtime.compiled.resolve_compile)
 
     def __post_init__(self):
         if not isinstance(self.config, Config):
@@ -30,6 +32,8 @@ class ServingConfig:
             raise UserError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.compile not in SETTINGS:
+            raise UserError(f"--compile {self.compile!r} is not a setting: use one of {', '.join(SETTINGS)}")
 
     def without_spec(self) -> "ServingConfig":
         """The same serving run without speculation (a speculative run's speedup baseline)."""
@@ -42,7 +46,7 @@ class ServingConfig:
         return {"model": c.model, "scheme": c.scheme_label, "method": c.method, "kv": c.kv,
                 "spec": c.proposer if c.speculative else None, "k": c.k, "backend": c.backend,
                 "temperature": self.temperature, "max_model_len": self.max_model_len, "threads": self.threads,
-                "port": self.port, "config": c.to_dict()}
+                "port": self.port, "compile": self.compile, "config": c.to_dict()}
 
 
 @dataclass

@@ -18,6 +18,7 @@ from serving.backends.base import (Backend, Progress, Request, RequestResult, Se
                                    check_fits, now, register_backend)
 from evals.build import build_native
 from evals.config import Config
+from runtime.compiled import resolve_compile
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.threads import apply_threads
@@ -46,6 +47,7 @@ class NativeBackend(Backend):
         self.scheme_info = built.scheme_info
         self.threads = apply_threads(self.lm.model, config.threads)
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
+        self.compile = resolve_compile(config.compile, str(self.lm.device))
         self.decoder = self._decoder(built.cache_factory)
         self.counters = SpecCounters() if point.speculative else None
 
@@ -65,11 +67,30 @@ class NativeBackend(Backend):
                 "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
 
     def _decoder(self, cache_factory):
-        point = self.config.config
+        point, mode = self.config.config, self.compile.mode
         if not point.speculative:
-            return Decoder(self.lm, self.config.max_model_len, cache_factory)
+            return Decoder(self.lm, self.config.max_model_len, cache_factory, compile_mode=mode)
         proposer = build_proposer(point.proposer_spec, self.lm)
-        return SpeculativeDecoder(self.lm, proposer, point.k, self.sampling, self.config.max_model_len)
+        return SpeculativeDecoder(self.lm, proposer, point.k, self.sampling, self.config.max_model_len, mode)
+
+    @property
+    def step_label(self) -> str:
+        """What plain and verification forwards run on (``Decoder.step_label``; eager with the reason when
+        ``--compile`` resolved to it)."""
+        plain = self.decoder.decoder if self.config.config.speculative else self.decoder
+        return plain.step_label if self.compile.mode else self.compile.label
+
+    @property
+    def compile_s(self) -> float:
+        return (self.decoder.decoder if self.config.config.speculative else self.decoder).compile_s
+
+    def warm_up(self, requests: list[Request], load_kind: str) -> str:
+        """Compiled: every step a measured request can run is built (and, speculating, probed) first."""
+        if self.config.config.speculative:
+            self.decoder.prepare(requests[0].prompt_ids, self.config.config.k)
+        what = super().warm_up(requests, load_kind)
+        built = f" built in {self.compile_s:.1f} s (one-time)" if self.compile_s else ""
+        return f"{self.step_label} step{built}; {what}"
 
     def _generate(self, request: Request):
         if self.config.config.speculative:
@@ -86,6 +107,7 @@ class NativeBackend(Backend):
                 "method": point.method if self.quant_report else None,
                 "kernels": self.quant_report.kernels if self.quant_report else None,
                 "kernels_run": kernels_used(self.lm.model), "kv": point.kv,
+                "compile": self.config.compile, "step": self.step_label, "compile_s": self.compile_s,
                 "spec": point.spec_label, "max_len": self.config.max_model_len,
                 "threads": torch.get_num_threads(), "thread_choice": self.threads.to_dict(),
                 "batching": self.batching}
