@@ -13,6 +13,7 @@ build here), ``eager``, or a mode name (``resolve_compile``). Inductor's kernels
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -80,6 +81,18 @@ def use_cache_dir() -> str:
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(quantspec_home() / "inductor"))
 
 
+@contextlib.contextmanager
+def quiet_autotune():
+    """Without inductor's "AUTOTUNE ..." lines (a module flag of torch._inductor.select_algorithm, no config)."""
+    from torch._inductor import select_algorithm
+
+    before, select_algorithm.PRINT_AUTOTUNE = select_algorithm.PRINT_AUTOTUNE, False
+    try:
+        yield
+    finally:
+        select_algorithm.PRINT_AUTOTUNE = before
+
+
 def static_step(model: Transformer, tokens: torch.Tensor,
                 input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
@@ -103,7 +116,9 @@ class CompiledStep:
         self.compile_s: float | None = None  # the first call: tracing, lowering and building (one-time)
         use_cache_dir()
         # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
-        self._config = {**torch._inductor.list_mode_options(mode), "freezing": True}
+        # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
+        self._config = {**torch._inductor.list_mode_options(mode), "freezing": True,
+                        "max_autotune_report_choices_stats": False}
         # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
         # decoders (each guarded on its own cache tensors) would pile up there and, past dynamo's recompile limit,
         # fall back to eager; this cache (and its frozen weights) goes when the step does
@@ -114,7 +129,7 @@ class CompiledStep:
         if self.fallback is None:
             start = time.perf_counter()
             try:
-                with torch._inductor.config.patch(self._config):
+                with torch._inductor.config.patch(self._config), quiet_autotune():
                     return self._compiled(self.model, tokens, input_pos)
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
