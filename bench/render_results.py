@@ -224,6 +224,27 @@ def render_quant_decode(d: dict) -> str:
     ])
 
 
+@bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
+       "bf16, int8 and int4 g32 on the eager and on the compiled one-token step (runtime/compiled.py: inductor, weights "
+       "frozen), the quantized linears with their own kernels inside the graph; ratios to the compiled bf16 step in "
+       "the same run (issue 28's targets), compile time apart, and where the compiled greedy output first differs "
+       "from the eager one (bf16 rounding; not a verdict).")
+def render_quant_decode_compiled(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["engine"], x["scheme"], kernels_text(x.get("kernels")), num(x["decode_tok_s"], 1),
+             num(x["compiled_tok_s"], 1), num(x["compiled_over_eager"]) + "x", num(x["vs_bf16_compiled"]) + "x",
+             "–" if x["target_vs_bf16_compiled"] is None else f">= {num(x['target_vs_bf16_compiled'], 1)}x",
+             num(x["meets_target"]), num(x["compiled_roofline_pct"], 0), num(x["compile_s"], 0),
+             num(x["first_diff_vs_eager"]), num(x["fallback"])] for x in r["rows"]]
+    return "\n\n".join([
+        table(["config", "scheme", "kernels (layers)", "eager tok/s", "compiled tok/s", "compiled / eager",
+               "vs compiled bf16", "target", "met", "% of read roofline", "compile s", "first token differing "
+               "from eager", "fallback"], rows),
+        f"Mode `{d['engine']['config']['compile_mode']}`; read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load "
+        f"average (1/5/15 min) at the end {' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.",
+    ])
+
+
 @bench("backends.json", "Serving backends: native vs vLLM", "bench/backends.py",
        "Effective tok/s = output tokens counted from the returned ids / window wall time (prefill and queueing "
        "included). The native backend serves one request at a time (others wait in a FIFO queue, inside their TTFT); vLLM "

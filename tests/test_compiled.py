@@ -139,6 +139,25 @@ def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
     assert record.hardware["torch_threads"] == 1 and record.lengths.output_tokens == {"fixed": 6}
 
 
+def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
+    """bench/quant_decode.py --compile's record: bf16, int8 and int4 g32 each eager and compiled (the quantized
+    linears inside the graph, no fallback), ratios to the compiled bf16 step, targets judged, compile time apart."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("quant_decode", Path(__file__).parents[1] / "bench" / "quant_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = bench.run(str(tiny_llama_dir), new_tokens=6, repeats=1, compile_mode="default")
+    rows = {r["engine"]: r for r in record.results["rows"]}
+    assert list(rows) == ["bf16", "int8 W8A16", "int4 g32"] and record.engine.config["compile_mode"] == "default"
+    assert rows["bf16"]["vs_bf16_compiled"] == 1.0 and rows["bf16"]["meets_target"] is None
+    for row in rows.values():
+        assert row["fallback"] is None and row["compile_s"] > 0 and row["compiled_tok_s"] > 0
+        assert row["meets_target"] in (None, row["vs_bf16_compiled"] >= (row["target_vs_bf16_compiled"] or 0))
+    assert bench.first_diff([1, 2, 3], [1, 2, 3]) is None and bench.first_diff([1, 2, 3], [1, 5, 3]) == 1
+
+
 # ---- the compiled K+1-token verification step of speculative decoding ----
 
 K = 3

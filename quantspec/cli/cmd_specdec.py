@@ -42,13 +42,16 @@ def accept(
     ks = quantspec.parse_ks(k)
     texts = quantspec.load_prompts(dataset, data_dir, num_prompts)
     lm = quantspec.load(model, dtype, threads, "eager", device)
+    step = quantspec.resolve_compile(compile, str(lm.device))
+    if step.why:
+        note(f"decode step: {step.label}")
     proposer = quantspec.build_proposer(spec, lm)
     with progress() as bar:
         task = bar.add_task("plain", total=len(texts) * (len(ks) + 1))
         record = quantspec.measure_acceptance(lm, model, proposer, ks, texts, dataset, output_len, sampling,
                                               ignore_eos=not natural_eos,
                                               tick=lambda what: bar.update(task, advance=1, description=what),
-                                              compile_mode=quantspec.resolve_compile(compile).mode)
+                                              compile_mode=step.mode)
     print_sweep(record)
     if json_out:
         note(f"run record: {record.write(json_out)}")
