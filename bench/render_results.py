@@ -219,9 +219,13 @@ def render_quant_decode(d: dict) -> str:
     return "\n\n".join([
         table(["config", "dtype", "scheme", "kernels (layers)", "tok/s", "vs fp32", "target", "met",
                "MiB streamed/token", "% of read roofline"], rows),
-        f"Read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load average (1/5/15 min) at the end "
-        f"{' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.",
+        bandwidth_line(r),
     ])
+
+
+def bandwidth_line(r: dict) -> str:
+    return (f"Read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load average (1/5/15 min) at the end "
+            f"{' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.")
 
 
 @bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
@@ -240,8 +244,7 @@ def render_quant_decode_compiled(d: dict) -> str:
         table(["config", "scheme", "kernels (layers)", "eager tok/s", "compiled tok/s", "compiled / eager",
                "vs compiled bf16", "target", "met", "% of read roofline", "compile s", "first token differing "
                "from eager", "fallback"], rows),
-        f"Mode `{d['engine']['config']['compile_mode']}`; read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load "
-        f"average (1/5/15 min) at the end {' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.",
+        f"Mode `{d['engine']['config']['compile_mode']}`. " + bandwidth_line(r),
     ])
 
 

@@ -21,7 +21,8 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from studies.objective import get_evaluator
-from studies.pareto import footer_lines, rich_table, summarize, write_json
+from quantspec.report import footer_lines, rich_table
+from studies.pareto import summarize, write_json
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import load_space
 

@@ -31,6 +31,7 @@ class DecodeSpeed:
     tokens: list[int]
     fallback: str | None = None  # why a compiled step ran eager instead
     compile_s: float = 0.0  # one-time build of the compiled step (in the warm-up, apart from decode_tok_s)
+    step: str | None = None  # native: the decode step that ran (``Decoder.step_label``)
     decode_tok_s_ci: list | None = None  # 95% CI across rounds when measured paired
     rounds: int | None = None
 
@@ -46,7 +47,7 @@ def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repea
     roof = bandwidth / decode_bytes_per_token(lm.model)
     return DecodeSpeed(label, new_tokens, tok_s, statistics.median(r.prefill_s for r in runs) * 1e3,
                        100 * tok_s / roof, runs[0].tokens, decoder.step.fallback if decoder.step else None,
-                       decoder.compile_s)
+                       decoder.compile_s, decoder.step_label)
 
 
 def load_hf(lm: LoadedModel):

@@ -9,7 +9,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from evals.config import DEFAULT_BACKEND
+from evals.floor import Floor
 from evals.record import RunRecord
+from runtime.errors import UserError
 from runtime.measure import BOOTSTRAP_RESAMPLES, CONFIDENCE, load_line, with_ci
 from evals.quant_report import FIDELITY_PROMPTS
 from runtime.hardware import hardware_line
@@ -238,7 +241,8 @@ def print_decode_comparison(record) -> None:
     for row in res["rows"]:
         ci = row.get("decode_tok_s_ci")
         rounds = f" (n={row['rounds']})" if ci else ""
-        table.add_row(row["engine"], with_ci(row["decode_tok_s"], ci, ".1f") + rounds, f"{row['prefill_ms']:.0f}",
+        step = f" ({row['step']} step)" if row.get("step") else ""
+        table.add_row(row["engine"] + step, with_ci(row["decode_tok_s"], ci, ".1f") + rounds, f"{row['prefill_ms']:.0f}",
                       f"{row['roofline_pct']:.0f}%")
     console.print(table)
     console.print(f"bandwidth {res['bandwidth_gb_s']:.1f} GB/s, {res['bytes_per_token'] / 2**20:.0f} MiB/token -> "
@@ -313,7 +317,7 @@ def print_answer(answer) -> None:
 def print_study(summary, csv: str | Path | None = None, png: str | Path | None = None,
                 json_out: str | Path | None = None) -> None:
     """A study's speed/quality table and its footer, and the CSV / PNG / JSON written where asked."""
-    from studies.pareto import footer_lines, rich_table, write_csv, write_json, write_png  # optuna: optional
+    from studies.pareto import write_csv, write_json  # optuna: optional
 
     console.print(rich_table(summary))
     for line in footer_lines(summary):
@@ -479,3 +483,311 @@ def _spec_label(run) -> str:
 
 def _load_label(arrival) -> str:
     return f"C={arrival.concurrency}" if arrival.kind == "closed-loop" else f"λ={arrival.rate_rps:g}/s"
+
+
+# ---- a study (studies.pareto.StudySummary): its table and its Pareto plot ----
+
+def _fmt(value, spec: str, empty: str = "") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def _accuracy_cell(r: Row) -> str:
+    if r.accuracy is None:
+        return ""
+    text = f"{100 * r.accuracy:.1f}"
+    if r.delta is not None:
+        text += f" ({100 * r.delta:+.1f}"
+        if r.ci:
+            text += f" [{100 * r.ci[0]:+.1f}, {100 * r.ci[1]:+.1f}]"
+        text += ")"
+    return text
+
+
+def _tok_s_cell(r: Row) -> str:
+    if r.tok_s is None:
+        return ""
+    if not r.tok_s_ci:
+        return f"{r.tok_s:.1f}"
+    return f"{r.tok_s:.1f} ±{50 * (r.tok_s_ci[1] - r.tok_s_ci[0]) / r.tok_s:.0f}%"
+
+
+def _speedup_cell(r: Row) -> str:
+    if r.speedup is None:
+        return ""
+    return with_ci(r.speedup, r.speedup_ci, ".2f", "x") + (" [yellow]noisy[/]" if r.noisy else "")
+
+
+def _exact_cell(r: Row) -> str:
+    if not r.exact:
+        return ""
+    n_equal = sum(r.exact["equal_per_prompt"])
+    return f"{'yes' if r.exact['equal'] else 'NO'} {n_equal}/{r.exact['n_prompts']}"
+
+
+def _basis_cell(r: Row) -> str:
+    if not r.quality_basis:
+        return ""
+    kind = r.quality_basis.split(":", 1)[0]
+    return {"exact by construction": "exact (constr.)", "infeasible": "[red]infeasible[/]"}.get(kind, kind)
+
+
+def rich_table(summary: StudySummary) -> Table:
+    table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}, "
+                        f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}); "
+                        "speedup: paired with the reference, median of per-round ratios [95% CI] over n rounds; "
+                        "* = Pareto-optimal among feasible rows, ~ = not separable from the front within the CIs",
+                  title_justify="left")
+    for col, justify in (("", "center"), ("#", "right"), ("config", "left"), ("backend", "left"),
+                         ("tok/s", "right"), ("speedup [CI]", "right"), ("n", "right"), ("acc % (Δ [CI])", "right"),
+                         ("flips", "right"),
+                         ("KL", "right"), ("α / τ", "right"), ("greedy =", "right"), ("quality", "left"),
+                         ("len ×ref", "right"), ("EOT", "right"), ("feasible", "center")):
+        table.add_column(col, justify=justify)
+    for r in summary.measured:
+        label = r.label + ("  †" if "q4_1" in r.notes else "")
+        verdict = "" if r.feasible is None else ("[green]pass[/]" if r.feasible else "[red]fail[/]")
+        spec = f"{r.alpha:.2f} / {r.tau:.2f}" if r.alpha is not None and r.tau is not None else ""
+        table.add_row("*" if r.pareto else "~" if r.not_separable else "", str(r.number), label, r.backend,
+                      _tok_s_cell(r), _speedup_cell(r), _fmt(r.rounds, "d"), _accuracy_cell(r),
+                      _fmt(r.flips, "d"), _fmt(r.kl, ".4f"), spec, _exact_cell(r), _basis_cell(r),
+                      _fmt(r.length_ratio, ".2f"), _fmt(r.eot_rate, ".0%"), verdict,
+                      style=None if r.feasible is not False else "dim")
+    return table
+
+
+def footer_lines(summary: StudySummary) -> list[str]:
+    """Caveats, skipped trials with their reasons, and duplicates, one line each."""
+    lines = [f"† {text}" for text in summary.notes.values()]
+    for r in summary.measured:
+        if r.infeasible_because:
+            lines.append(f"#{r.number} {r.label} infeasible: {'; '.join(r.infeasible_because)}")
+        if r.noisy:
+            half = (r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup if r.speedup_ci and r.speedup else float("nan")
+            lines.append(f"#{r.number} {r.label}: speed noisy: its speedup CI stayed ±{100 * half:.0f}% after "
+                         f"{r.rounds} rounds ({r.load}); re-measure on a quieter machine")
+    duplicates = sum(r.duplicate_of is not None for r in summary.rows)
+    if duplicates:
+        lines.append(f"{duplicates} trial(s) re-sampled an already measured config and reused its numbers")
+    reasons: dict[str, list[int]] = {}
+    for r in summary.skipped:
+        reasons.setdefault(f"{r.state.lower()}: {r.reason or 'no reason recorded'}", []).append(r.number)
+    lines += [f"{len(nums)} trial(s) {reason} (#{', #'.join(map(str, nums[:6]))}{', ...' if len(nums) > 6 else ''})"
+              for reason, nums in reasons.items()]
+    return lines
+
+
+# How the plot marks a row that breaks a constraint (one overlay per broken constraint, so a row that fails two
+# gates shows both) and one whose speed is noisy: constraint -> (legend text, marker style).
+INFEASIBLE_MARKERS = {
+    "quality_floor": ("infeasible: below the quality floor", dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
+    "length_band": ("infeasible: output length outside the band",
+                    dict(marker="s", ms=13, mfc="none", mec="tab:purple", mew=1.5)),
+    "exactness": ("infeasible: greedy outputs differ from its non-speculative twin",
+                  dict(marker="X", ms=11, mfc="black", mec="white", mew=0.8)),
+}
+OTHER_MARKER = dict(marker="P", ms=9, mfc="tab:brown", mec="tab:brown")
+NOISY_MARKER = ("speed noisy: its speedup CI stayed wider than the threshold",
+                dict(marker="o", ms=17, mfc="none", mec="magenta", mew=1.2))
+
+
+def short_label(r: Row, reference: dict | None) -> str:
+    """``#7 w4g32-asym+rtn ngram K=2``: the trial number (as in the table) and its label, proposer options
+    dropped; the reference config is called so."""
+    import re
+
+    label = re.sub(r"(\w+):\S+ K=", r"\1 K=", r.label)
+    if r.config == reference:
+        label = "reference" + ("" if label == "none" else f" ({label})")
+    else:
+        label = re.sub(r"^none\b", "unquantized", label)
+    if r.backend and r.backend != DEFAULT_BACKEND:  # a point off the default backend says which it ran on
+        label = f"{r.backend} {label}"
+    return f"#{r.number} {label}"
+
+
+def _floor_line(summary: StudySummary, y_kind: str, ref_acc: float | None) -> float | None:
+    """The floor in the plotted y units: Δ points, accuracy % or the floor statistic itself."""
+    if y_kind == "quality":
+        return summary.floor_value
+    try:
+        floor = Floor.parse(summary.floor)
+    except (UserError, ValueError, TypeError):  # a toy evaluator's floor, or none: no line in accuracy units
+        return None
+    if floor is None or (floor.relative and ref_acc is None):
+        return None
+    acc = floor.value * ref_acc if floor.relative else floor.value
+    return 100 * (acc - ref_acc) if y_kind == "delta" else 100 * acc
+
+
+def _place_labels(fig, ax, items: list[tuple[float, float, str, dict]], points: list[tuple[float, float]]) -> None:
+    """Annotate each (x, y, text, style) at the first of a few offsets around its point whose text box overlaps no
+    earlier label and no plotted point and stays inside the axes (else the first offset); far ones get a leader."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # runs the layout: display positions are final from here
+    renderer = canvas.get_renderer()
+    inside = ax.get_window_extent(renderer)
+    pad = 5
+    taken = [Bbox.from_extents(px - pad, py - pad, px + pad, py + pad)
+             for px, py in (ax.transData.transform(p) for p in points)]
+    offsets = [(6, 5, "left", "bottom"), (6, -5, "left", "top"), (-6, 5, "right", "bottom"),
+               (-6, -5, "right", "top"), (0, 12, "center", "bottom"), (0, -12, "center", "top"),
+               (14, 18, "left", "bottom"), (14, -18, "left", "top"), (-14, 18, "right", "bottom"),
+               (-14, -18, "right", "top"), (20, 32, "left", "bottom"), (20, -32, "left", "top"),
+               (-20, 32, "right", "bottom"), (-20, -32, "right", "top")]
+    for x, y, text, style in items:
+        chosen = None
+        for dx, dy, ha, va in offsets:
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, **style)
+            box = ann.get_window_extent(renderer)
+            fits = (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1
+                    and not any(box.overlaps(t) for t in taken))
+            if fits:
+                chosen = ann
+                break
+            ann.remove()
+        if chosen is None:
+            dx, dy, ha, va = offsets[0]
+            chosen = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va, **style)
+        elif abs(dx) > 6 or abs(dy) > 12:
+            chosen.arrow_patch = None
+            chosen.remove()
+            chosen = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                                 arrowprops=dict(arrowstyle="-", lw=0.5, color="grey", shrinkA=0, shrinkB=3), **style)
+        chosen.set_in_layout(False)
+        taken.append(chosen.get_window_extent(renderer))
+
+
+def figure_pareto(summary: StudySummary):
+    """The study as a matplotlib Figure: y = accuracy Δ vs the reference (percentage points, its paired 95% CI as
+    error bars; accuracy or the floor statistic when rows carry no Δ), x = speedup over the reference (paired,
+    95% CI; effective tok/s on a second axis) or tok/s where there is no reference. Feasible points blue;
+    infeasible ones grey with one marker per broken constraint; noisy speeds ringed; the Pareto front joined and
+    labelled, every other point numbered as in the table."""
+    import textwrap
+
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rows = [r for r in summary.measured if r.quality is not None and (r.speedup is not None or r.tok_s is not None)]
+    fig = Figure(figsize=(12, 6.5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    by_speedup = bool(rows) and all(r.speedup is not None for r in rows)
+    y_kind = ("delta" if rows and all(r.delta is not None for r in rows) else
+              "accuracy" if rows and all(r.accuracy is not None for r in rows) else "quality")
+    task = next((r.task for r in rows if r.task), None) or (
+        summary.conditions.split("quality on ", 1)[1].split(",")[0] if summary.conditions and
+        "quality on " in summary.conditions else None)
+    accuracy = f"{task} accuracy" if task else "accuracy"
+    ref_acc = next((r.accuracy - r.delta for r in sorted(rows, key=lambda r: r.config != summary.reference)
+                    if r.accuracy is not None and r.delta is not None), None)
+
+    def xy(r: Row) -> tuple[float, float, list, list]:
+        x, x_ci = (r.speedup, r.speedup_ci) if by_speedup else (r.tok_s, r.tok_s_ci)
+        if y_kind == "delta":
+            y, y_ci = 100 * r.delta, [100 * v for v in r.ci] if r.ci else None
+        elif y_kind == "accuracy":
+            y, y_ci = 100 * r.accuracy, None
+        else:
+            y, y_ci = r.quality, None
+        xerr = [[max(x - x_ci[0], 0)], [max(x_ci[1] - x, 0)]] if x_ci else None
+        yerr = [[max(y - y_ci[0], 0)], [max(y_ci[1] - y, 0)]] if y_ci else None
+        return x, y, xerr, yerr
+
+    handles: dict[str, Line2D] = {}
+    for r in rows:
+        x, y, xerr, yerr = xy(r)
+        colour = "tab:blue" if r.feasible else "grey"
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="o", ms=5 if r.feasible else 4, c=colour, ecolor=colour,
+                    elinewidth=0.9, capsize=3, alpha=1 if r.feasible else 0.7, zorder=3)
+        key = ("feasible (passes every gate)" if r.feasible else
+               "not gated (no constraints recorded)" if r.feasible is None else
+               "infeasible (grey; the markers below say which gate it fails)")
+        handles.setdefault(key, Line2D([], [], ls="", marker="o", ms=5, c=colour))
+        for name in r.failed_constraints:
+            text, style = INFEASIBLE_MARKERS.get(name, (f"infeasible: {name}", OTHER_MARKER))
+            ax.plot([x], [y], ls="", zorder=5 if name == "exactness" else 4, gid=f"infeasible:{name}", **style)
+            handles.setdefault(text, Line2D([], [], ls="", **style))
+        if r.noisy:
+            ax.plot([x], [y], ls="", zorder=2, gid="noisy", **NOISY_MARKER[1])
+            handles.setdefault(NOISY_MARKER[0], Line2D([], [], ls="", **NOISY_MARKER[1]))
+        if r.config == summary.reference:
+            ax.plot([x], [y], ls="", marker="*", ms=15, mfc="none", mec="black", mew=1, zorder=5)
+            handles.setdefault("reference config (unquantized, no speculation)",
+                               Line2D([], [], ls="", marker="*", ms=12, mfc="none", mec="black"))
+
+    front = sorted((r for r in rows if r.feasible and r.pareto), key=lambda r: xy(r)[0])
+    if front:
+        ax.plot([xy(r)[0] for r in front], [xy(r)[1] for r in front], "-D", ms=11, mfc="none", mew=1.5,
+                c="tab:orange", zorder=2, gid="front")
+        handles["Pareto front (feasible points no other beats on both axes)"] = Line2D(
+            [], [], ls="-", marker="D", ms=9, mfc="none", c="tab:orange")
+    close = [r for r in rows if r.not_separable]
+    for r in close:
+        ax.plot([xy(r)[0]], [xy(r)[1]], ls="", marker="D", ms=11, mfc="none", mec="tab:orange", mew=1,
+                alpha=0.6, zorder=2)
+    if close:
+        handles["off the front, but not separable from it within the CIs"] = Line2D(
+            [], [], ls="", marker="D", ms=9, mfc="none", mec="tab:orange", alpha=0.6)
+
+    floor_y = _floor_line(summary, y_kind, ref_acc)
+    if floor_y is not None and floor_y == floor_y:  # not NaN (a study without a stored floor)
+        floor_text = (f"quality floor {summary.floor}" + (f" ({floor_y:+.1f} pts)" if y_kind == "delta" else "")
+                      + ": passing needs the lower end\nof the paired 95% interval above this line")
+        ax.axhline(floor_y, ls="--", c="tab:red", lw=1)
+        handles[floor_text] = Line2D([], [], ls="--", c="tab:red", lw=1)
+    if by_speedup:
+        ax.axvline(1.0, ls=":", c="grey", lw=1)
+        handles["1.0×: the reference's speed"] = Line2D([], [], ls=":", c="grey", lw=1)
+    if y_kind == "delta":
+        ax.axhline(0.0, ls="-", c="grey", lw=0.5)
+
+    labels = [(*xy(r)[:2], short_label(r, summary.reference), dict(fontsize=7.5, color="black"))
+              for r in rows if r.pareto or r.not_separable]
+    labels += [(*xy(r)[:2], f"#{r.number}", dict(fontsize=7, color="dimgrey"))
+               for r in rows if not (r.pareto or r.not_separable)]
+
+    paired = by_speedup and any(r.speedup_ci for r in rows)
+    if by_speedup:
+        ax.set_xlabel("speedup over the reference (× its effective tok/s; " + (
+            "paired interleaved rounds, bars: 95% CI)" if paired else "tok/s ÷ the reference's, unpaired)"))
+        ref_tok_s = next((r.tok_s for r in rows if r.config == summary.reference and r.tok_s), None)
+        if ref_tok_s:
+            top = ax.secondary_xaxis("top", functions=(lambda s: s * ref_tok_s, lambda t: t / ref_tok_s))
+            top.set_xlabel(f"≈ effective tok/s (speedup × the reference's {ref_tok_s:.1f} tok/s; batch 1)",
+                           fontsize=9)
+    else:
+        ax.set_xlabel("effective tok/s (batch 1" + ("; bars: 95% CI)" if any(r.tok_s_ci for r in rows) else ")"))
+    ax.set_ylabel({"delta": f"{accuracy} Δ vs the reference (percentage points;\n< 0: lost accuracy"
+                            + (f", reference {100 * ref_acc:.1f}%" if ref_acc is not None else "")
+                            + "; bars: paired 95% CI)",
+                   "accuracy": f"{accuracy} (%)",
+                   "quality": "quality (the statistic compared with the floor)"}[y_kind])
+    ax.grid(alpha=0.3)
+    ax.margins(0.12)
+    handles["#n: trial number in the table (`quantspec pareto`)"] = Line2D([], [], ls="")
+    first = ("feasible", "not gated", "infeasible (", "infeasible:", "speed noisy", "reference", "Pareto", "off the")
+    order = sorted(handles, key=lambda text: next((i for i, s in enumerate(first) if text.startswith(s)), len(first)))
+    ax.legend([handles[text] for text in order], order, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1),
+              frameon=False)
+    band = "-".join(map(str, summary.length_band)) if summary.length_band else "off"
+    title = (f"study {summary.name}: speed vs {accuracy} ({summary.mode}, floor {summary.floor}, "
+             f"length band {band})")
+    if summary.conditions:
+        title += "\n" + "\n".join(textwrap.wrap(summary.conditions, 110))
+    fig.suptitle(title, fontsize=10.5)
+    _place_labels(fig, ax, labels, [xy(r)[:2] for r in rows])
+    fig.set_layout_engine("none")  # keep the positions the labels were placed at
+    return fig
+
+
+def write_png(summary: StudySummary, path: str | Path) -> Path:
+    """``figure_pareto`` saved as a PNG at ``path`` (written to a temporary name, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    figure_pareto(summary).savefig(tmp)
+    tmp.replace(path)
+    return path

@@ -1,5 +1,5 @@
 """The two plots a reader sees without the code: ``quantspec accept --plot`` (quantspec.report.figure_sweep) and the
-Pareto plot of a study (studies.pareto.figure_pareto), asserted on the matplotlib Figure they build."""
+Pareto plot of a study (quantspec.report.figure_pareto), asserted on the matplotlib Figure they build."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,8 @@ from matplotlib.container import ErrorbarContainer
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord)
 from quantspec.report import acceptance_cis, figure_sweep, plot_sweep
-from studies.pareto import Row, StudySummary, figure_pareto, mark_front, short_label, summarize, write_png
+from quantspec.report import figure_pareto, short_label, write_png
+from studies.pareto import Row, StudySummary, mark_front, summarize
 
 
 # ---- accept sweep -------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from optuna.trial import TrialState
 
 from runtime.errors import UserError
 from studies.objective import QualityResult, SpeedResult, register_evaluator
-from studies.pareto import footer_lines, rich_table, summarize, write_csv, write_json, write_png
+from quantspec.report import footer_lines, rich_table, write_png
+from studies.pareto import summarize, write_csv, write_json
 from studies.samplers import SAMPLERS, PerTrialSeed
 from studies.search import SearchSettings, SurplusTrial, TrialRunner, finished_trials, run_search
 from studies.storage import in_flight

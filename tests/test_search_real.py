@@ -6,7 +6,8 @@ from conftest import bf16_speculation_refusal
 from runtime.loading import load_model
 from runtime.measure import SpeedProtocol
 from studies.objective import get_evaluator
-from studies.pareto import footer_lines, summarize
+from quantspec.report import footer_lines
+from studies.pareto import summarize
 from studies.search import SearchSettings, open_study, run_search
 from evals.config import Config
 from studies.space import SearchSpace
