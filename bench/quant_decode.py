@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.decode_speed import DEFAULT_PROMPT, native_decode
+from evals.decode_speed import DEFAULT_PROMPT, first_diff, native_decode
 from runtime.compiled import MODES
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
@@ -32,11 +32,6 @@ from runtime.generate import encode_prompt
 CONFIGS = [("fp32", "fp32", None, None), ("bf16", "bf16", None, None), ("int8 W8A16", "bf16", "W8A16", 2.0),
            ("int4 g32", "bf16", "w4g32-sym", 2.5), ("int4 g64", "bf16", "w4g64-sym", 2.5)]
 COMPILED_TARGETS = {"bf16": None, "int8 W8A16": 1.6, "int4 g32": 2.2}  # vs the compiled bf16 step
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    """The first position where two greedy outputs differ (None: equal)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = None) -> RunRecord:

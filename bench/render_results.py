@@ -1,4 +1,4 @@
-"""Render bench/results/README.md from the JSON files in bench/results/ (plain Python: json only).
+"""Render bench/results/README.md from the JSON files in bench/results/ (json, and runtime.measure's CI format; no torch).
 
     python bench/render_results.py                          # rewrite bench/results/README.md
     python bench/render_results.py --results DIR --out FILE # render another folder / to another file
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
+
+from runtime.measure import with_ci
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -231,7 +233,7 @@ def bandwidth_line(r: dict) -> str:
 @bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
        "bf16, int8 and int4 g32 on the eager and on the compiled one-token step (runtime/compiled.py: inductor, weights "
        "frozen), the quantized linears with their own kernels inside the graph; ratios to the compiled bf16 step in "
-       "the same run (issue 28's targets), compile time apart, and where the compiled greedy output first differs "
+       "the same run (the compiled-path issue's targets), compile time apart, and where the compiled greedy output first differs "
        "from the eager one (bf16 rounding; not a verdict).")
 def render_quant_decode_compiled(d: dict) -> str:
     r = d["results"]
@@ -246,6 +248,57 @@ def render_quant_decode_compiled(d: dict) -> str:
                "from eager", "fallback"], rows),
         f"Mode `{d['engine']['config']['compile_mode']}`. " + bandwidth_line(r),
     ])
+
+
+@bench("llamacpp*.json", "llama.cpp beside the native path", "make llamacpp && bench/llamacpp.py",
+       "Decode: llama.cpp (llama-cpp-python, built by pip with the host's flags) on the default model's own GGUF (Q4_1 "
+       "as shipped; Q8_0 written by the gguf package) and native int4 g32 / int8 / bf16 on compiled steps, one greedy "
+       "generation each per round in a shuffled order, ratios per round to llama.cpp Q4_1. Tokens are compared with "
+       "native fp32 on the same dequantized weights (first differing position, not a verdict: llama.cpp multiplies "
+       "8-bit-quantized activations). Speculation: each engine's speedup over its own plain decoding on the same "
+       "prompts at the same K, and how many outputs stayed token-identical to it.")
+def render_llamacpp(d: dict) -> str:
+    r, parts = d["results"]["decode"], []
+    if r:
+        rows = [[x["engine"], x["step"], num(x["decode_tok_s"], 1),
+                 with_ci(x["vs_llamacpp_q4_1"], x["vs_llamacpp_q4_1_ci"], unit="x"), num(x["bytes_per_token"] / 2**20, 0),
+                 num(x["roofline_pct"], 0), num(x["compile_s"], 0), num(x["first_diff_vs_native_fp32"])] for x in r["rows"]]
+        parts += [table(["engine", "step", "decode tok/s", "vs llama.cpp Q4_1 [CI]", "MiB/token",
+                         "% of read roofline", "compile s", "first token differing from native fp32"], rows),
+                  f"Target: native int4 g32 >= {num(r['target_int4_vs_q4_1'], 1)}x llama.cpp Q4_1, met: "
+                  f"{num(r['meets_target'])}. Read bandwidth {num(r['bandwidth_gb_s'], 1)} GB/s."]
+    lcpp = d["hardware"]["llama_cpp"]
+    parts.append(f"llama.cpp {lcpp['version']} (`{lcpp['system_info'].strip(' |')}`), n_batch "
+                 f"{d['engine']['config']['n_batch']}; native compile mode `{d['engine']['config']['compile_mode']}`.")
+    s = d["results"]["speculation"]
+    if s:
+        spec = [[f"quantspec `{s['quantspec_spec']}` ({q['step']})", x["k"], num(q["plain_tok_s"], 1),
+                 with_ci(x["speedup"], x["speedup_ci"], unit="x"), f"{x['token_identical']}/{s['prompts']}", num(x["verify_cost"])]
+                for q in s["quantspec"].values() for x in q["rows"]]
+        spec += [[f"llama.cpp `{s['llamacpp_lookup']}`", x["k"], num(s["llamacpp"]["plain_tok_s"], 1),
+                  with_ci(x["speedup"], x["speedup_ci"], unit="x"), f"{x['token_identical']}/{s['prompts']}", "–"]
+                 for x in s["llamacpp"]["rows"]]
+        parts.append(table(["speculation (Spec-Bench prompts)", "K", "plain tok/s", "speedup [CI]",
+                            "token-identical to plain", "V(K)"], spec))
+    return "\n\n".join(parts)
+
+
+@bench("step_profile.*.json", "Where a compiled decode step's time goes", "bench/step_profile.py",
+       "One-token compiled steps under torch.profiler, inductor's generated kernels timed by name "
+       "(`cpp.enable_kernel_profile`), the eager prefill subtracted. Groups: weight matmuls (the layers' GEMMs and "
+       "the LM head), attention (SDPA), dynamo's guard check before each call, and the rest (the graph's wrapper, "
+       "fused element-wise kernels, argmax). Profiling adds time, so shares matter more than the absolute step time.")
+def render_step_profile(d: dict) -> str:
+    r = d["results"]
+    groups = list(r["rows"][0]["us_per_step_by_group"])
+    rows = [[x["config"], x["step"], num(x["decode_tok_s"], 1), num(x["profiled_step_ms"], 1),
+             *[num(x["us_per_step_by_group"][g], 0) for g in groups], pct(x["matmul_share"], 0),
+             num(x["matmul_gb_s"], 1), "; ".join(f"`{o['op'][:48]}` {num(o['us_per_step'], 0)}"
+                                              for o in x["top_ops"][:4])] for x in r["rows"]]
+    return "\n\n".join([table(["config", "step", "decode tok/s (unprofiled)", "profiled ms/step",
+                                *[f"{g} µs/step" for g in groups], "weight matmuls % of step", "matmuls GB/s",
+                                "top events (µs/step)"], rows),
+                         f"Read bandwidth {num(r['bandwidth_gb_s'], 1)} GB/s."])
 
 
 @bench("backends.json", "Serving backends: native vs vLLM", "bench/backends.py",

@@ -36,6 +36,11 @@ class DecodeSpeed:
     rounds: int | None = None
 
 
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first position where two greedy outputs differ (None: equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def native_decode(lm: LoadedModel, prompt_ids: list[int], new_tokens: int, repeats: int,
                   bandwidth: float, label: str = "native", compile_mode: str | None = None) -> DecodeSpeed:
     """Native greedy decode speed; ``compile_mode``: through the compiled one-token step (compiled in the

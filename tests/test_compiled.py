@@ -316,3 +316,24 @@ def test_native_backend_measures_the_compiled_step(tiny_llama_dir, one_thread, t
     assert spec_tokens == eager_tokens  # compiled or fallen back, greedy speculation keeps plain decoding's tokens
     fp8_engine, _ = bench("default", kv="fp8")
     assert fp8_engine.config["step"].startswith("eager (fallback: ")
+
+
+def test_step_profile_record_on_the_tiny_model(tiny_llama_dir, one_thread):
+    """bench/step_profile.py's record: per config the profiled events grouped (weight matmuls, attention, guard
+    check, other), the quantized kernels that ran, the matmuls' achieved bandwidth (eager here: a short suite)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("step_profile", Path(__file__).parents[1] / "bench" / "step_profile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = bench.run(str(tiny_llama_dir), None, steps=4)
+    rows = {r["config"]: r for r in record.results["rows"]}
+    assert list(rows) == ["bf16", "int8 W8A16", "int4 g32"]
+    assert "int8pack" in str(rows["int8 W8A16"]["kernels_run"]) and "int4pack" in str(rows["int4 g32"]["kernels_run"])
+    for r in rows.values():  # (the tiny model's matmuls are too short to stay in the top events reliably)
+        assert r["us_per_step_by_group"]["weight matmuls"] > 0 and r["matmul_gb_s"] > 0 and r["profiled_step_ms"] > 0
+        assert {o["group"] for o in r["top_ops"]} <= {"weight matmuls", "attention", "dynamo guard check", "other"}
+    assert bench.group_of("graph_1_kernel") == bench.group_of("aten::_weight_int4pack_mm_for_cpu") == "weight matmuls"
+    assert bench.group_of("graph_0_cpp_fused_add_mul_0") == "other"  # negative control: fused element-wise
+    assert rows["int4 g32"]["layer_weight_bytes"] < rows["int8 W8A16"]["layer_weight_bytes"] < rows["bf16"]["layer_weight_bytes"]
