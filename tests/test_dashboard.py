@@ -134,8 +134,11 @@ def read_line(proc: subprocess.Popen, deadline: float) -> str:
 def test_cli_serves_until_sigint(storage):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    # SIGINT back to its default in the child: a suite started as a background job (`cmd &` in a script) passes
+    # SIGINT on ignored, and Python then installs no KeyboardInterrupt handler (Ctrl-C would never arrive)
     proc = subprocess.Popen([*QUANTSPEC, "dashboard", "--storage", storage, "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + START_S
         line = read_line(proc, deadline)
