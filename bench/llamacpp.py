@@ -36,7 +36,7 @@ from runtime.gguf_requant import requantize_gguf
 from runtime.hardware import probe
 from runtime.loading import load_model, set_threads
 from runtime.measure import Sample, median_ci, ratio_of_totals, with_ci
-from runtime.model_store import SMOLLM2, default_gguf, weights_hash
+from runtime.model_store import SMOLLM2, default_gguf, resolve_model, weights_hash
 from runtime.sampling import SamplingConfig
 from specdec.proposers import build_proposer
 from specdec.sweep import run_sweep
@@ -114,7 +114,7 @@ def decode_rounds(engines: list[Engine], ids: list[int], new_tokens: int, rounds
     return {"rates": rates, "tokens": tokens}
 
 
-def decode_part(stack: ExitStack, args, lm_fp32_path: str, q4: Path, q8: Path, threads: int, n_batch: int) -> tuple[dict, list[int]]:
+def decode_part(stack: ExitStack, args, lm_fp32_path: Path, q4: Path, q8: Path, threads: int, n_batch: int) -> tuple[dict, list[int]]:
     bandwidth = measure_bandwidth()
     engines = [Engine(f"llama.cpp {name}", f"GGUF {name}", llama_generate(open_llama(stack, path, threads, n_batch)),
                       gguf_bytes(path), "llama.cpp graph") for name, path in (("Q4_1", q4), ("Q8_0", q8))]
@@ -200,7 +200,7 @@ def run(args) -> RunRecord:
     q8 = q4.with_name(q4.stem.replace("Q4_1", "Q8_0") + ".gguf")
     if not q8.exists():
         requantize_gguf(q4, q8)
-    lm_path = load_model(args.model, "fp32").path
+    lm_path = resolve_model(args.model)
     with ExitStack() as stack:
         speculation = speculation_part(stack, args, q4, threads, n_batch) if args.k else None
         decode, ids = decode_part(stack, args, lm_path, q4, q8, threads, n_batch) if args.decode else (None, [])
@@ -263,7 +263,7 @@ def print_speculation(console: Console, s: dict) -> None:
                         f"vs llama.cpp {s['llamacpp_lookup']} (Q4_1)")
     for col in ("engine", "K", "plain tok/s", "speedup [95% CI]", "token-identical", "V(K)"):
         table.add_column(col, justify="right")
-    for step, q in s["quantspec"].items():
+    for q in s["quantspec"].values():
         for r in q["rows"]:
             table.add_row(f"quantspec ({q['step']})", str(r["k"]), f"{q['plain_tok_s']:.1f}",
                           with_ci(r["speedup"], r["speedup_ci"], unit="x"), f"{r['token_identical']}/{s['prompts']}",

@@ -24,7 +24,7 @@ from runtime.compiled import MODES
 from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import kernels_used, probe
 from runtime.loading import load_model, set_threads
-from runtime.model_store import SMOLLM2, weights_hash
+from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 
 CONFIGS = [("bf16", None), ("int8 W8A16", "W8A16"), ("int4 g32", "w4g32-sym")]
 # by event name: ATen/mkldnn matmuls, inductor's GEMM templates (graph_N_gemm_m1n..k.._kernel) and its weight-only
@@ -70,26 +70,25 @@ def profile(model: str, label: str, scheme: str | None, compile_mode: str | None
            for k, us, n in events[:16]]
     groups = {g: sum(us for k, us, _ in events if group_of(k) == g) for g in [*GROUPS, "other"]}
     matmul_us = groups["weight matmuls"]
-    weights = layer_weight_bytes(lm.model)
+    streamed = decode_bytes_per_token(lm.model)
     return {"config": label, "scheme": scheme or "none", "step": decoder.step_label, "compile_s": decoder.compile_s,
-            "decode_tok_s": plain.decode_tokens_per_s, "profiled_step_ms": step_s * 1e3,
-            "bytes_per_token": decode_bytes_per_token(lm.model), "layer_weight_bytes": weights,
+            "prompt_tokens": len(ids), "decode_tok_s": plain.decode_tokens_per_s, "profiled_step_ms": step_s * 1e3,
+            "bytes_per_token": streamed, "layer_weight_bytes": layer_weight_bytes(lm.model),
             "us_per_step_by_group": groups, "matmul_us_per_step": matmul_us, "matmul_share": matmul_us / 1e6 / step_s,
-            "matmul_gb_s": decode_bytes_per_token(lm.model) / (matmul_us / 1e6) / 1e9 if matmul_us else None,
-            "step_gb_s": decode_bytes_per_token(lm.model) / step_s / 1e9, "bandwidth_gb_s": bandwidth / 1e9,
+            "matmul_gb_s": streamed / (matmul_us / 1e6) / 1e9 if matmul_us else None,
+            "step_gb_s": streamed / step_s / 1e9, "bandwidth_gb_s": bandwidth / 1e9,
             "kernels_run": kernels_used(lm.model), "top_ops": ops}
 
 
 def run(model: str, compile_mode: str | None, steps: int) -> RunRecord:
     bandwidth = measure_bandwidth()
-    lm = load_model(model, "bf16")
     rows = [profile(model, label, scheme, compile_mode, steps, bandwidth) for label, scheme in CONFIGS]
     return RunRecord(
         name="step-profile",
-        model=ModelCondition(model, weights_hash(lm.path), "bf16 / W8A16 / W4A16-g32-sym", scheme="see rows",
+        model=ModelCondition(model, weights_hash(resolve_model(model)), "bf16 / W8A16 / W4A16-g32-sym", scheme="see rows",
                              note=SMOLLM2.note),
         hardware=hardware_info(),
-        lengths=LengthDistribution(1, {"fixed": len(encode_prompt(lm.tokenizer, DEFAULT_PROMPT))}, {"fixed": steps}, f"one chat prompt: {DEFAULT_PROMPT!r}", True),
+        lengths=LengthDistribution(1, {"fixed": rows[0]["prompt_tokens"]}, {"fixed": steps}, f"one chat prompt: {DEFAULT_PROMPT!r}", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native", {"threads": torch.get_num_threads(), "compile_mode": compile_mode},
                                warmup="one 8-token generation (compiles), then one unprofiled timed generation",
