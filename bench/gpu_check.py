@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -36,10 +37,14 @@ sys.path.insert(0, str(ROOT))
 from evals.decode_speed import hf_model_decode, native_decode  # noqa: E402
 from evals.record import hardware_info, write_json_atomic  # noqa: E402
 from evals.roofline import decode_bytes_per_token, measure_bandwidth  # noqa: E402
+from quant.qlinear import QuantizedLinear  # noqa: E402
+from quant.qmath import compute_qparams, quantize  # noqa: E402
 from quant.quantize import quantize_model  # noqa: E402
+from quant.scheme import parse_scheme  # noqa: E402
 from runtime.errors import UserError  # noqa: E402
 from runtime.generate import Decoder  # noqa: E402
 from runtime.hardware import kernels_used, resolve_device, sync  # noqa: E402
+from runtime.compiled import CUDA_DEFAULT_MODE  # noqa: E402
 from runtime.loading import LoadedModel, build_model  # noqa: E402
 from runtime.transformer import ModelArgs, Transformer  # noqa: E402
 from specdec.speculative import SpeculativeDecoder  # noqa: E402
@@ -59,7 +64,9 @@ SHAPES = {  # HF configs: the architectures the check times, weights random
              "rope_theta": 10000.0, "tie_word_embeddings": False},
 }
 FORMATS = ("bf16", "w8ch-sym", "w4g32-sym")  # dense bf16, int8 weight-only per channel, int4 groups of 32
-COMPILE_MODE = "default"  # max-autotune's kernel search would not fit the time box
+# CUDA graphs on the GPU (gpt-fast's mode: a batch-1 step is hundreds of launches); max-autotune's kernel search
+# would not fit the time box
+COMPILE_MODES = {"cuda": CUDA_DEFAULT_MODE, "cpu": "default"}
 NOTE = ("seeded random weights (no checkpoint travels to the GPU machine): speed and token-exactness only; "
         "quality is measured on CPU with the real weights")
 
@@ -68,6 +75,7 @@ NOTE = ("seeded random weights (no checkpoint travels to the GPU machine): speed
 class Plan:
     """What one run measures: per model shape the engines timed per weight format, and the speculation sweep."""
 
+    kernel_shape: str  # the shape whose MLP matrices the kernels stage times one product of
     decode: dict[str, dict[str, tuple[str, ...]]]  # shape -> format -> engines (eager, compiled, hf)
     new_tokens: int
     repeats: int
@@ -79,18 +87,20 @@ class Plan:
     budgets_s: dict[str, float]  # stage -> time box
 
 
-FULL = Plan(
-    decode={"smollm2-135m": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",), "w4g32-sym": ("eager",)},
-            "llama-3.2-1b": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",),
-                             "w4g32-sym": ("eager", "compiled")}},
+FULL = Plan(  # the memory-bound 1B shape first: its rows are the targets
+    kernel_shape="llama-3.2-1b",
+    decode={"llama-3.2-1b": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager", "compiled"),
+                             "w4g32-sym": ("eager", "compiled")},
+            "smollm2-135m": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",), "w4g32-sym": ("eager",)}},
     new_tokens=128, repeats=2, prompt_len=64, spec_shape="smollm2-135m",
-    spec_proposers=("ngram:min=1,max=3", "selfquant:w4g32-sym"), spec_ks=(2, 4, 8), bandwidth_gib=2.0,
-    budgets_s={"bandwidth": 20, "cuda_tests": 60, "decode": 270, "speculative": 90})  # 7.3 min + start-up
+    spec_proposers=("ngram:min=1,max=3", "selfquant:w4g32-sym"), spec_ks=(2, 4), bandwidth_gib=2.0,
+    budgets_s={"bandwidth": 10, "kernels": 25, "cuda_tests": 60, "decode": 250, "speculative": 70})  # 6.9 min
 TINY = Plan(
+    kernel_shape="tiny",
     decode={"tiny": {"bf16": ("eager", "compiled", "hf"), "w8ch-sym": ("eager",), "w4g32-sym": ("eager",)}},
     new_tokens=8, repeats=1, prompt_len=16, spec_shape="tiny",
     spec_proposers=("ngram:min=1,max=3", "selfquant:w4g32-sym"), spec_ks=(2, 4), bandwidth_gib=0.0625,
-    budgets_s={"bandwidth": 30, "cuda_tests": 120, "decode": 240, "speculative": 120})
+    budgets_s={"bandwidth": 30, "kernels": 60, "cuda_tests": 120, "decode": 240, "speculative": 120})
 
 
 class _NoTokenizer:
@@ -156,6 +166,71 @@ def stage_bandwidth(ctx: Context, out: dict) -> None:
                how="CUDA: one big tensor copy (read + write); CPU: a full reduction (read)")
 
 
+def _time_us(fn: Callable[[], object], device: torch.device, calls: int = 50, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the mean time of ``calls`` back-to-back calls, synchronized at the edges."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - t) / calls)
+    return sorted(times)[rounds // 2] * 1e6
+
+
+def _fp8_linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """W8A8 float8 (e4m3) with per-channel weight and per-token activation scales through ``torch._scaled_mm``
+    (issue 30's FP8_DYNAMIC); rows padded to 16, which its GEMMs need."""
+    fp8 = torch.float8_e4m3fn
+    w_scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(fp8).max
+    w8 = (w.float() / w_scale).to(fp8)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        xp = torch.nn.functional.pad(x, (0, 0, 0, -m % 16)).float()
+        x_scale = xp.abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(fp8).max
+        y = torch._scaled_mm((xp / x_scale).to(fp8), w8.T, scale_a=x_scale, scale_b=w_scale.T,
+                             out_dtype=torch.bfloat16)
+        return y[:m]
+    return run
+
+
+def stage_kernels(ctx: Context, out: dict) -> None:
+    """One batch-1 product per weight format at the MLP shapes of ``plan.kernel_shape`` (seeded random weights,
+    RTN): the kernel the registry picks on this device, its time and the weight bytes it streams per second,
+    and its largest error against the bf16 product of the dequantized weight; plus float8 ``_scaled_mm``."""
+    config, rows = SHAPES[ctx.plan.kernel_shape], out.setdefault("rows", [])
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    g = torch.Generator(ctx.device).manual_seed(0)
+    for n, k in ((inter, hidden), (hidden, inter)):
+        w = torch.randn(n, k, generator=g, device=ctx.device, dtype=torch.bfloat16) * k ** -0.5
+        x = torch.randn(1, k, generator=g, device=ctx.device, dtype=torch.bfloat16)
+        runs = {"bf16": (lambda w=w: lambda x: torch.nn.functional.linear(x, w), lambda: w.numel() * 2)}
+        for label in FORMATS[1:]:
+            spec = parse_scheme(label).weights
+            scale, zero = compute_qparams(w.float(), spec)
+            layer = QuantizedLinear(quantize(w.float(), scale, zero, spec), scale, zero, spec, k,
+                                    dtype=torch.bfloat16)
+            runs[label] = (lambda layer=layer: layer, lambda layer=layer: layer.format_bytes())
+        runs["fp8-e4m3 _scaled_mm"] = (lambda w=w: _fp8_linear(w), lambda: w.numel() + n * 4)
+        for label, (make, nbytes) in runs.items():
+            row = {"format": label, "shape": [n, k]}
+            try:
+                fn = make()
+                kernel = getattr(fn, "kernel_detail", None)
+                reference = x.float() @ (fn.dequantized_weight() if kernel else w.float()).T
+                y = fn(x)
+                us = _time_us(lambda: fn(x), ctx.device)
+            except Exception as exc:  # noqa: BLE001  (recorded: this device cannot run it)
+                rows.append({**row, "status": "failed", "error": _error(exc)})
+                continue
+            rows.append({**row, "status": "ok", "kernel": kernel or label, "us": round(us, 2),
+                         "weight_gb_s": round(nbytes() / us / 1e3, 1),
+                         "max_rel_error": round(float((y.float() - reference).abs().max() / reference.abs().max()), 4)})
+
+
 def stage_cuda_tests(ctx: Context, out: dict) -> None:
     """``pytest -m cuda`` over the test files that have CUDA tests (the other files may import packages this
     machine lacks)."""
@@ -213,12 +288,13 @@ def stage_decode(ctx: Context, out: dict) -> None:
                         speed = hf_model_decode(hf_twin(lm), ids, plan.new_tokens, plan.repeats, bandwidth)
                     else:
                         speed = native_decode(lm, ids, plan.new_tokens, plan.repeats, bandwidth, engine,
-                                              COMPILE_MODE if engine == "compiled" else None)
+                                              COMPILE_MODES[ctx.device.type] if engine == "compiled" else None)
                 except Exception as exc:  # noqa: BLE001  (recorded; the other engines still run)
                     rows.append({**row, "status": "failed", "error": _error(exc)})
                     continue
                 eager_tokens = speed.tokens if engine == "eager" else eager_tokens
                 rows.append({**row, "status": "ok", "compile_fallback": speed.fallback,
+                             "compile_s": None if speed.compile_s is None else round(speed.compile_s, 1),
                              "decode_tok_s": round(speed.decode_tok_s, 1),
                              "roofline_pct": round(speed.roofline_pct, 1), "prefill_ms": round(speed.prefill_ms, 2),
                              "bytes_per_token": decode_bytes_per_token(lm.model),
@@ -231,11 +307,23 @@ def stage_decode(ctx: Context, out: dict) -> None:
 
 
 def stage_speculative(ctx: Context, out: dict) -> None:
-    """Plain greedy decoding vs speculative decoding per proposer and K on the same fp32 model: token-exactness
-    and speed; one bf16 row shows whether bf16 speculation is token-exact by construction on this device."""
+    """Whether bf16 speculation is token-exact by construction on this device (one row, first), then plain greedy
+    decoding vs speculative decoding per proposer and K on the same fp32 model: token-exactness and speed."""
     plan, rows = ctx.plan, out.setdefault("rows", [])
     ids = prompt(plan.spec_shape, plan.prompt_len)
     max_len = len(ids) + plan.new_tokens + max(plan.spec_ks) + 2
+    bf16 = random_model(plan.spec_shape, torch.bfloat16, ctx.device, attention="eager")
+    row = {"dtype": "bf16", "proposer": plan.spec_proposers[0], "k": plan.spec_ks[-1]}
+    try:
+        spec = SpeculativeDecoder(bf16, row["proposer"], row["k"], max_len=max_len)
+    except UserError as exc:
+        rows.append({**row, "status": "refused", "reason": str(exc)})
+    else:
+        ref = Decoder(bf16, max_len).generate(ids, plan.new_tokens, ignore_eos=True)
+        result = spec.generate(ids, plan.new_tokens, ignore_eos=True)
+        rows.append({**row, "status": "ok", "exact": result.tokens == ref.tokens,
+                     "decode_tok_s": round(result.decode_tokens_per_s, 1)})
+    del bf16
     lm = random_model(plan.spec_shape, torch.float32, ctx.device)
     plain = Decoder(lm, max_len)
     plain.generate(ids, 4, ignore_eos=True)  # warm-up
@@ -251,24 +339,13 @@ def stage_speculative(ctx: Context, out: dict) -> None:
                          "decode_tok_s": round(result.decode_tokens_per_s, 1),
                          "speedup": round(result.decode_tokens_per_s / max(reference.decode_tokens_per_s, 1e-9), 3),
                          "alpha": result.stats.get("alpha"), "tau": result.stats.get("tau")})
-    bf16 = random_model(plan.spec_shape, torch.bfloat16, ctx.device, attention="eager")
-    row = {"dtype": "bf16", "proposer": plan.spec_proposers[0], "k": plan.spec_ks[-1]}
-    try:
-        spec = SpeculativeDecoder(bf16, row["proposer"], row["k"], max_len=max_len)
-    except UserError as exc:
-        rows.append({**row, "status": "refused", "reason": str(exc)})
-    else:
-        ref = Decoder(bf16, max_len).generate(ids, plan.new_tokens, ignore_eos=True)
-        result = spec.generate(ids, plan.new_tokens, ignore_eos=True)
-        rows.append({**row, "status": "ok", "exact": result.tokens == ref.tokens,
-                     "decode_tok_s": round(result.decode_tokens_per_s, 1)})
     inexact = [f"{r['proposer']} K={r['k']}" for r in rows if r["dtype"] == "fp32" and not r["exact"]]
     out["all_fp32_exact"] = not inexact
     out["inexact"] = inexact  # fp32 GEMMs are not batch-invariant: recorded, not a failure of the check
 
 
 STAGES: dict[str, Callable[[Context, dict], None]] = {
-    "bandwidth": stage_bandwidth, "cuda_tests": stage_cuda_tests, "decode": stage_decode,
+    "bandwidth": stage_bandwidth, "kernels": stage_kernels, "cuda_tests": stage_cuda_tests, "decode": stage_decode,
     "speculative": stage_speculative}
 
 
@@ -322,6 +399,34 @@ def run_stage(name: str, ctx: Context, forced: set[str]) -> dict:
     return out
 
 
+TARGETS = {"bf16_compiled_roofline_pct": 60.0, "int4_over_bf16_compiled": 2.0}  # issue 15's GPU targets
+
+
+def derive(record: dict) -> dict:
+    """The figures read off the rows: each kernel's share of the copy bandwidth, each decode row's ratio to bf16 on
+    the same shape and engine, and the targets on the memory-bound shape (compiled bf16 at >= 60% of the
+    roofline, compiled int4 >= 2x compiled bf16)."""
+    stages = record["stages"]
+    bandwidth = stages.get("bandwidth", {}).get("bandwidth_gb_s")
+    for row in stages.get("kernels", {}).get("rows", []):
+        if row["status"] == "ok" and bandwidth:
+            row["pct_of_copy_bandwidth"] = round(100 * row["weight_gb_s"] / bandwidth, 1)
+    rows = [r for r in stages.get("decode", {}).get("rows", []) if r["status"] == "ok"]
+    speed = {(r["shape"], r["format"], r["engine"]): r["decode_tok_s"] for r in rows}
+    for r in rows:
+        bf16 = speed.get((r["shape"], "bf16", r["engine"]))
+        r["vs_bf16_same_engine"] = round(r["decode_tok_s"] / bf16, 2) if bf16 else None
+    shape = next(iter(record["plan"]["decode"]))  # the memory-bound shape comes first
+    found = {"bf16_compiled_roofline_pct": next((r["roofline_pct"] for r in rows if (r["shape"], r["format"],
+                                                 r["engine"]) == (shape, "bf16", "compiled")), None),
+             "int4_over_bf16_compiled": next((r["vs_bf16_same_engine"] for r in rows if (r["shape"], r["format"],
+                                              r["engine"]) == (shape, "w4g32-sym", "compiled")), None)}
+    record["targets"] = {name: {"shape": shape, "value": value, "target": TARGETS[name],
+                                "met": None if value is None else value >= TARGETS[name]}
+                         for name, value in found.items()}
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -329,7 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {', '.join(STAGES)}")
     parser.add_argument("--fail-stage", action="append", default=[], help="make this stage fail (negative control)")
+    parser.add_argument("--derive", metavar="JSON", help="recompute the derived figures of a written record, in place")
     args = parser.parse_args(argv)
+    if args.derive:
+        write_json_atomic(Path(args.derive), derive(json.loads(Path(args.derive).read_text())))
+        return 0
     try:
         device = resolve_device(args.device)
         stages = [s for s in args.stages.split(",") if s]
@@ -344,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out_dir) / f"gpu-check.{'tiny' if args.tiny else device.type}.json"
     record = {"name": "gpu-check", "device": str(device), "tiny": args.tiny, "note": NOTE,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-              "plan": asdict(ctx.plan), "compile_mode": COMPILE_MODE,
+              "plan": asdict(ctx.plan), "compile_mode": COMPILE_MODES[device.type],
               "metrics": {"decode_tok_s": "median over repeats of (new_tokens-1)/decode seconds, greedy, ignore_eos, "
                                           "batch 1, prefill excluded; CUDA synchronized at the edges",
                           "roofline_pct": "decode tok/s / (measured bandwidth / bytes_per_token); bytes_per_token "
@@ -361,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     record["hardware"] = hardware_info(device=device)  # with CUDA: GPU, CUDA and driver versions, peak memory
     failed = [n for n, s in record["stages"].items() if s["status"] == "failed"]
     record["ok"] = not failed
-    write_json_atomic(path, record)
+    write_json_atomic(path, derive(record))
     print(f"wrote {path}" + (f"; failed stages: {', '.join(failed)}" if failed else "; every stage ok"))
     return 1 if failed else 0
 

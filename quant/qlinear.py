@@ -7,6 +7,8 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
 * ``int8pack``  -- W8 symmetric per-channel, weight-only: ``torch.ops.aten._weight_int8pack_mm`` (real int8).
 * ``int4pack``  -- W4 per-group (sym or asym), weight-only: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on
   weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
+* ``int4pack-cuda`` / ``int8-dequant-cuda`` -- the same two formats on a GPU (torch's CUDA tinygemm; int8
+  codes widened inside the product), chosen only where a small product on that GPU ran and was right.
 * ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, activation quantization without a
   registered kernel): dequantized weight + plain matmul. Its speed is *not* a real low-bit speed and every
   report labels it ``simulated``.
@@ -32,13 +34,15 @@ buffers (checkpoints store what ``export`` returns, so a save/load round trip is
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quant.actquant import fake_quantize_activation
 from quant.qmath import dequantize
-from quant.scheme import ActSpec, WeightSpec
+from quant.scheme import ActSpec, WeightSpec, parse_scheme
 from runtime.errors import UserError
 from runtime.registry import Registry
 from runtime.hardware import row_invariance
@@ -68,6 +72,11 @@ class Kernel(nn.Module):
     def detail(self) -> str:
         """What actually computes the product here (run records name it beside the kernel)."""
         return self.name
+
+    @property
+    def device(self) -> torch.device:
+        """Where this kernel's buffers live (and its inputs must)."""
+        return next(self.buffers()).device
 
 
 KERNELS: Registry[type[Kernel]] = Registry("kernel")
@@ -146,14 +155,114 @@ class Int4PackKernel(Kernel):
                                                           self.scales_and_zeros).to(x.dtype)
 
     def export(self):
-        """Codes by running the kernel on the identity with (s, t) = (1, 0): exact small integers."""
-        unit = torch.zeros_like(self.scales_and_zeros)
-        unit[..., 0] = 1
-        eye = torch.eye(self.in_features, dtype=FAST_DTYPE)
-        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, unit).T
-        s, t = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, n_groups] each
-        zero = torch.round(-t.float() / s.float())  # |z| <= 8, so bf16 rounding of t cannot move it
-        return q.round().to(torch.int8).contiguous(), s.contiguous(), zero.to(torch.int8)
+        return _int4_export(self, torch.ops.aten._weight_int4pack_mm_for_cpu)
+
+
+def _int4_export(kernel: Kernel, mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 tinygemm kernel's (q, s, z): codes by running ``mm`` on the identity with (s, t) = (1, 0), exact
+    small integers."""
+    unit = torch.zeros_like(kernel.scales_and_zeros)
+    unit[..., 0] = 1
+    eye = torch.eye(kernel.in_features, dtype=FAST_DTYPE, device=unit.device)
+    q = mm(eye, kernel.weight, kernel.group_size, unit).T
+    s, t = kernel.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, n_groups] each
+    zero = torch.round(-t.float() / s.float())  # |z| <= 8, so bf16 rounding of t cannot move it
+    return q.round().to(torch.int8).contiguous(), s.contiguous(), zero.to(torch.int8)
+
+
+@functools.cache
+def cuda_op_missing(name: str) -> str | None:
+    """Why this CUDA kernel cannot run on this GPU (one small product, checked against its dequantized
+    reference), or None when it runs."""
+    cls = KERNELS[name]
+    spec = parse_scheme(cls.probe_scheme).weights
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-2 ** (spec.bits - 1), 2 ** (spec.bits - 1), (64, 256), generator=g, dtype=torch.int8)
+    n_scales = 256 // spec.group_size if spec.granularity == "group" else 1
+    scale = torch.rand(64, n_scales, generator=g) / 16 + 1e-3
+    zero = torch.zeros_like(scale, dtype=torch.int8)
+    x = torch.randn(3, 256, generator=g)
+    try:
+        kernel = cls(q.cuda(), scale.cuda(), zero.cuda(), spec, None, torch.bfloat16)
+        got = kernel(x.to("cuda", torch.bfloat16)).float().cpu()
+    except Exception as exc:  # noqa: BLE001  (any failure means: not on this GPU, use another kernel)
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+    want = x.bfloat16().float() @ dequantize(q, scale, zero, spec, torch.float32).T
+    err = float((got - want).abs().max() / want.abs().max())
+    return None if err < 2e-2 else f"wrong results (max relative error {err:.3g})"
+
+
+class CudaKernel(Kernel):
+    """A kernel of torch's CUDA ops: chosen only where a small product on this GPU ran and was right."""
+
+    devices = ("cuda",)
+    probe_scheme = ""  # a scheme this kernel runs, for ``cuda_op_missing``
+
+    @classmethod
+    def supports(cls, spec, act, out_features, in_features):
+        return cls.fits(spec, act, out_features, in_features) and cuda_op_missing(cls.name) is None
+
+    @classmethod
+    def fits(cls, spec, act, out_features, in_features) -> bool:
+        raise NotImplementedError
+
+
+@register_kernel
+class Int4PackCudaKernel(CudaKernel):
+    """Group-wise int4 in torch's CUDA tinygemm layout (``_weight_int4pack_mm``, as gpt-fast and torchao use it):
+    the CPU kernel's arithmetic ``w = (u - 8) * s + t`` on codes packed two per byte and tiled for the tensor
+    cores (inner k-tiles of 16 columns: 8, 4 or 2 per tile, the most that divide the width)."""
+
+    name, priority, scale_bytes, probe_scheme = "int4pack-cuda", 10, 2, "w4g32-sym"
+
+    @classmethod
+    def fits(cls, spec, act, out_features, in_features):
+        return (act is None and spec.bits == 4 and spec.granularity == "group"
+                and spec.group_size in (32, 64, 128, 256) and in_features % spec.group_size == 0
+                and in_features % 32 == 0 and out_features % 8 == 0)
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.group_size, self.in_features = spec.group_size, q.shape[1]
+        self.inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+        u = (q.to(torch.int32) + 8).contiguous()
+        packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, self.inner_k_tiles))
+        s = scale.to(FAST_DTYPE)
+        t = (-zero.float() * s.float()).to(FAST_DTYPE)
+        self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int4pack_mm(x.to(FAST_DTYPE), self.weight, self.group_size,
+                                                  self.scales_and_zeros).to(x.dtype)
+
+    def export(self):
+        return _int4_export(self, torch.ops.aten._weight_int4pack_mm)
+
+
+@register_kernel
+class Int8DequantCudaKernel(CudaKernel):
+    """Symmetric per-channel int8 weights on CUDA: ``y = (x @ q.T) * s`` with the codes widened inside the
+    product (gpt-fast's int8 weight-only: under ``torch.compile`` inductor fuses the widening into the GEMV, so
+    only the int8 codes stream; eager it materializes a bf16 weight per call)."""
+
+    name, priority, scale_bytes, probe_scheme = "int8-dequant-cuda", 10, 2, "w8ch-sym"
+
+    @classmethod
+    def fits(cls, spec, act, out_features, in_features):
+        return act is None and spec.bits == 8 and spec.symmetric and spec.granularity == "channel"
+
+    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
+        super().__init__()
+        self.register_buffer("weight", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scale.reshape(-1).to(FAST_DTYPE).contiguous())
+
+    def forward(self, x):
+        return (F.linear(x.to(FAST_DTYPE), self.weight.to(FAST_DTYPE)) * self.scales).to(x.dtype)
+
+    def export(self):
+        scale = self.scales[:, None]
+        return self.weight, scale, torch.zeros_like(scale, dtype=torch.int8)
 
 
 @register_kernel
@@ -228,7 +337,8 @@ class QuantizedLinear(nn.Module):
         """Whether a bf16 row's output is bitwise the same alone as among others (probed per kernel and shape;
         a kernel that needs a lone row run as two gets it)."""
         if self._invariance is None:
-            how = row_invariance(("kernel", self.kernel.detail, self.out_features), self.kernel, self.padded_in)
+            how = row_invariance(("kernel", self.kernel.detail, self.out_features), self.kernel, self.padded_in,
+                                 device=self.kernel.device)
             self._invariance = how or "none"
         return self._invariance != "none"
 

@@ -27,9 +27,10 @@ from runtime.errors import UserError
 from runtime.hardware import quantspec_home
 from runtime.transformer import Transformer
 
-MODES = ("default", "max-autotune-no-cudagraphs")
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # reduce-overhead: CUDA graphs on a GPU
 # the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
+CUDA_DEFAULT_MODE = "reduce-overhead"  # gpt-fast's: a batch-1 step is a few hundred kernel launches, one graph here
 SETTINGS = ("auto", "eager", *MODES)
 COMPILE_ENV = "QUANTSPEC_COMPILE"  # what ``auto`` means on this machine, e.g. eager for a quick test run
 
@@ -60,13 +61,14 @@ def compiler_missing(device: str = "cpu") -> str | None:
 
 
 def resolve_compile(setting: str = "auto", device: str = "cpu") -> CompileChoice:
-    """``--compile`` as run here: ``auto`` is ``$QUANTSPEC_COMPILE`` when set, else ``DEFAULT_MODE``; a mode
-    that cannot build here runs eager, labelled with the reason."""
+    """``--compile`` as run here: ``auto`` is ``$QUANTSPEC_COMPILE`` when set, else ``DEFAULT_MODE`` (on a GPU
+    ``CUDA_DEFAULT_MODE``); a mode that cannot build here runs eager, labelled with the reason."""
     if setting not in SETTINGS:
         raise UserError(f"--compile {setting!r} is not a setting: use one of {', '.join(SETTINGS)}")
     asked = setting
     if setting == "auto":
-        setting = os.environ.get(COMPILE_ENV, "").strip() or DEFAULT_MODE
+        on_gpu = str(device).startswith("cuda")
+        setting = os.environ.get(COMPILE_ENV, "").strip() or (CUDA_DEFAULT_MODE if on_gpu else DEFAULT_MODE)
         if setting not in SETTINGS or setting == "auto":
             raise UserError(f"{COMPILE_ENV}={setting!r} is not a setting: use one of {', '.join(SETTINGS[1:])} "
                             "(or unset it)")
@@ -124,13 +126,17 @@ class CompiledStep:
         # fall back to eager; this cache (and its frozen weights) goes when the step does
         own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step")
         self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
+        # CUDA graphs replay into the same output buffers: a caller holding one step's logits past the next step's
+        # (the verification probe does) needs its own copy
+        self._copy_out = bool(self._config.get("triton.cudagraphs"))
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fallback is None:
             start = time.perf_counter()
             try:
                 with torch._inductor.config.patch(self._config), quiet_autotune():
-                    return self._compiled(self.model, tokens, input_pos)
+                    out = self._compiled(self.model, tokens, input_pos)
+                return tuple(t.clone() for t in out) if self._copy_out else out
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")

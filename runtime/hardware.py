@@ -267,7 +267,7 @@ def hardware_line(model: torch.nn.Module | None = None) -> str:
 # ---- exactness: does a row's output depend on the rows computed with it? ----
 
 def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], in_features: int,
-                   dtype: torch.dtype = torch.bfloat16) -> str | None:
+                   dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> str | None:
     """How ``linear`` gives every row bitwise the same output alone as among others: ``"alone"`` (as is),
     ``"two-rows"`` (only when a lone row runs duplicated: oneDNN's one-row kernel sums in another order), or
     None (neither: rows depend on the batch). Probed once per ``key`` and machine (cached beside the speeds: the
@@ -275,13 +275,17 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
     (the activations that expose a different summation order), as fresh tensors at several offsets (some GEMMs
     take other paths for other alignments), at the row counts a verification uses (1..9, and up to
     ``EXACT_ROWS``), twice over."""
+    where = torch.device(device)
+    if where.type == "cuda":  # the cache is per machine: name the GPU
+        key = (*key, torch.cuda.get_device_name(where))
     name = "rows-invariant-v2/" + "/".join(map(str, (*key, in_features, dtype)))  # v2: every lone row, 3 draws
     if name not in _speed_cache():
         n = EXACT_ROWS + 7
         draws = []
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
-            x = (torch.randn(n, in_features, generator=g) * torch.randn(n, in_features, generator=g).exp()).to(dtype)
+            x = (torch.randn(n, in_features, generator=g) * torch.randn(n, in_features, generator=g).exp())
+            x = x.to(where, dtype)
             draws.append((x, linear(x)))
 
         def same(m: int, run: Callable[[torch.Tensor], torch.Tensor], offsets: range, draws=draws) -> bool:

@@ -175,9 +175,12 @@ class PackedLinear(nn.Linear):
     @property
     def kernel_detail(self) -> str:
         kernel = self._pack.get(self.weight)
-        return kernel.name if kernel else "aten"
+        return kernel.name if kernel else "cublas" if self.weight.is_cuda else "aten"
 
     @property
     def batch_invariant(self) -> bool:
+        if self.weight.device.type == "cuda":  # cuBLAS (F.linear) as is: probed, no two-row form
+            return row_invariance(("cublas", *self.weight.shape), lambda x: F.linear(x, self.weight),
+                                  self.weight.shape[1], self.weight.dtype, self.weight.device) == "alone"
         kernel = self._pack.get(self.weight)
         return bool(kernel and kernel.batch_invariant)

@@ -7,7 +7,8 @@ from evals.config import Config
 from evals.record import hardware_info
 from evals.roofline import measure_bandwidth
 from quant.kvcache import make_cache_factory
-from quant.qlinear import select_kernel
+from quant.qlinear import QuantizedLinear, cuda_op_missing, select_kernel
+from quant.qmath import compute_qparams, dequantize, quantize
 from quant.quantize import quantize_model
 from quant.scheme import parse_scheme
 from runtime.errors import UserError
@@ -58,12 +59,20 @@ def test_load_model_on_cpu(tiny_llama_dir, one_thread):
 
 
 def test_kernels_picked_per_device():
-    """torch's packed int4/int8 CPU layouts never run on CUDA: the format falls back to the simulated kernel."""
+    """torch's packed int4/int8 CPU layouts never run on CUDA, nor the CUDA kernels on CPU."""
     w4 = parse_scheme("w4g32-sym").weights
     assert select_kernel(w4, None, (64, 64), device="cpu").name == "int4pack"
-    assert select_kernel(w4, None, (64, 64), device="cuda").name == "simulated"
     with pytest.raises(UserError, match="on cuda"):
         select_kernel(w4, None, (64, 64), kernel="int4pack", device="cuda")
+    with pytest.raises(UserError, match="on cpu"):
+        select_kernel(w4, None, (64, 64), kernel="int4pack-cuda", device="cpu")
+
+
+@NO_CUDA
+def test_cuda_kernels_probed_without_gpu():
+    """Without a GPU the CUDA kernels' probe says why, and a format asked for on cuda runs simulated."""
+    assert cuda_op_missing("int4pack-cuda") and cuda_op_missing("int8-dequant-cuda")
+    assert select_kernel(parse_scheme("w4g32-sym").weights, None, (64, 64), device="cuda").name == "simulated"
 
 
 # ---- on a GPU ----
@@ -104,7 +113,7 @@ def test_cuda_speculation_equals_plain(tiny_llama_dir, proposer):
 def test_cuda_quantized_weights_and_kv(tiny_llama_dir):
     lm = load_model(tiny_llama_dir, "bf16", device="cuda")
     report = quantize_model(lm, "w4g32-sym", "rtn", progress=False)
-    assert report.simulated and next(lm.model.parameters()).device.type == "cuda"
+    assert report.kernels == {"int4pack-cuda": 14} and next(lm.model.parameters()).device.type == "cuda"
     ids = encode_prompt(lm.tokenizer, "hello", chat=False)
     out = Decoder(lm, max_len=64, cache_factory=make_cache_factory("k8tok-v8tok")).generate(ids, 8, ignore_eos=True)
     assert len(out.tokens) == 8
@@ -118,3 +127,43 @@ def test_cuda_record_and_bandwidth(tiny_llama_dir):
     assert info["gpu"] and info["cuda"] and info["peak_allocated_gib"] > 0
     assert measure_bandwidth(0.25, device="cuda") > 1e11  # HBM: far above 100 GB/s
 
+
+
+def _cuda_layer(label: str, shape=(256, 512)):
+    spec = parse_scheme(label).weights
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).cuda()
+    scale, zero = compute_qparams(w, spec)
+    q = quantize(w, scale, zero, spec)
+    return QuantizedLinear(q, scale, zero, spec, shape[1], dtype=torch.bfloat16), q, scale, zero, spec
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("label,kernel", [("w4g32-sym", "int4pack-cuda"), ("w4g128-asym", "int4pack-cuda"),
+                                          ("w8ch-sym", "int8-dequant-cuda")])
+def test_cuda_kernels_compute_their_format(label, kernel):
+    """The CUDA kernels give the dequantized weight's product and export their codes exactly; negative control: the
+    same comparison against a wrong weight (zero points negated, codes shifted) fails."""
+    layer, q, scale, zero, spec = _cuda_layer(label)
+    assert layer.kernel_name == kernel and not layer.simulated
+    x = torch.randn(5, 512, device="cuda")
+    got = layer(x.bfloat16()).float()
+
+    def close(weight):
+        want = x.bfloat16().float() @ weight.T
+        return float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+    assert close(dequantize(q, scale, zero, spec, torch.float32))
+    assert not close(dequantize((q + 1).clamp(max=2 ** (spec.bits - 1) - 1), scale, -zero, spec, torch.float32))
+    codes, s, z = layer.export()
+    assert torch.equal(codes.cpu(), q.cpu()) and torch.equal(z.cpu().flatten(), zero.to(torch.int8).cpu().flatten())
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_step_equals_eager(tiny_llama_dir):
+    """The compiled one-token step with CUDA graphs gives the eager step's greedy tokens (fp32)."""
+    lm = load_model(tiny_llama_dir, "fp32", device="cuda")
+    ids = encode_prompt(lm.tokenizer, "the quick brown fox", chat=False)
+    eager = Decoder(lm, max_len=64).generate(ids, 16, ignore_eos=True).tokens
+    compiled = Decoder(lm, max_len=64, compile_mode="reduce-overhead")
+    assert compiled.generate(ids, 16, ignore_eos=True).tokens == eager
+    assert compiled.step.fallback is None

@@ -51,7 +51,7 @@ def test_every_stage_ok(full_run):
     proc, record = full_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert record["ok"] and "random weights" in record["note"]
-    assert list(record["stages"]) == ["bandwidth", "cuda_tests", "decode", "speculative"]
+    assert list(record["stages"]) == ["bandwidth", "kernels", "cuda_tests", "decode", "speculative"]
     assert all(s["status"] == "ok" for s in record["stages"].values()), record["stages"]
     assert record["stages"]["bandwidth"]["bandwidth_gb_s"] > 0
     assert "tests/test_device.py" in record["stages"]["cuda_tests"]["files"]
@@ -69,6 +69,31 @@ def test_decode_rows(full_run):
     assert all("simulated" in r and r["quantized_kernels"] for r in quantized.values())
     dense = next(r for r in rows if r["format"] == "bf16")
     assert quantized["w4g32-sym"]["bytes_per_token"] < quantized["w8ch-sym"]["bytes_per_token"] < dense["bytes_per_token"]
+
+
+def test_kernel_rows(full_run):
+    """One product per format at both MLP shapes, each by the kernel the registry picks here, close to the bf16
+    product of its dequantized weight."""
+    rows = full_run[1]["stages"]["kernels"]["rows"]
+    assert {(r["format"], tuple(r["shape"])) for r in rows} == {
+        (f, s) for f in ("bf16", "w8ch-sym", "w4g32-sym", "fp8-e4m3 _scaled_mm") for s in ((128, 64), (64, 128))}
+    assert all(r["status"] == "ok" and r["us"] > 0 and r["max_rel_error"] < 0.1 for r in rows), rows
+    assert {r["kernel"] for r in rows if r["format"] == "w4g32-sym"} == {"int4pack"}
+
+
+def test_targets_derived_and_rendered(full_run):
+    """The targets are read off the rows (ratio to bf16 on the same engine) and the results page renders them."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from render_results import render_gpu_check
+
+    record = full_run[1]
+    rows = {(r["format"], r["engine"]): r for r in record["stages"]["decode"]["rows"]}
+    assert rows[("w4g32-sym", "eager")]["vs_bf16_same_engine"] == round(
+        rows[("w4g32-sym", "eager")]["decode_tok_s"] / rows[("bf16", "eager")]["decode_tok_s"], 2)
+    target = record["targets"]["bf16_compiled_roofline_pct"]
+    assert target["value"] == rows[("bf16", "compiled")]["roofline_pct"] and target["met"] == (target["value"] >= 60)
+    page = render_gpu_check(record)
+    assert "int4_over_bf16_compiled" in page and "int4pack" in page and "**Conditions**" in page
 
 
 def test_speculation_rows(full_run):
