@@ -1,11 +1,14 @@
 """W8A8 on the default model: dynamic per-token vs static per-tensor (minmax / percentile / MSE observers) vs
-SmoothQuant, scored by WikiText-2 PPL and mean KL vs fp32, plus prefill and decode tok/s of the real
-int8 x int8 kernel (``torch._int_mm``) against the dense fp32 and bf16 models in the same run.
+SmoothQuant, and FP8 (E4M3) W8A8 dynamic beside INT8 W8A8 dynamic, scored by WikiText-2 PPL and mean KL vs fp32,
+plus prefill and decode tok/s of the real int8 x int8 kernel (``torch._int_mm``) and the FP8 kernel (whichever
+product its probe picked: ``torch._scaled_mm`` or the exact fp32 upcast, named in ``kernel_details``) against
+the dense fp32 and bf16 models in the same run.
 
 Usage: python bench/act_quality.py --no-speed                     (quality: bench/results/act_quality.json)
        flock /tmp/qs-bench.lock python bench/act_quality.py --speed-rows-only --windows 1 \
-             --out bench/results/act_speed.json                      (speed of fp32, bf16 and the int8 kernel)
-Options: [--windows 4] [--calib-samples 8] [--threads 1]. Each run writes a RunRecord.
+             --out bench/results/act_speed.json                      (speed of fp32, bf16 and the W8A8 kernels)
+Options: [--windows 4] [--calib-samples 8] [--threads 1] [--rows "fp32,W8A8 dynamic,FP8 W8A8 dynamic"].
+Each run writes a RunRecord.
 """
 import argparse
 import statistics
@@ -22,6 +25,7 @@ from evals.perplexity import WIKITEXT2_TEST
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig
+from runtime.hardware import kernels_used
 from runtime.loading import load_model
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.quantize import quantize_w8a8
@@ -33,13 +37,14 @@ CONFIGS = [
     ("fp32", "fp32", None, None, None),
     ("bf16", "bf16", None, None, None),
     ("W8A8 dynamic", "fp32", "w8ch-sym_a8tok-dyn", None, None),
+    ("FP8 W8A8 dynamic", "fp32", "FP8_DYNAMIC", None, None),
     ("W8A8 static minmax", "fp32", "w8ch-sym_a8t-static", "minmax", None),
     ("W8A8 static percentile", "fp32", "w8ch-sym_a8t-static", "percentile", None),
     ("W8A8 static mse", "fp32", "w8ch-sym_a8t-static", "mse", None),
     ("SmoothQuant 0.5 + dynamic", "fp32", "w8ch-sym_a8tok-dyn", None, 0.5),
     ("SmoothQuant 0.5 + static minmax", "fp32", "w8ch-sym_a8t-static", "minmax", 0.5),
 ]
-SPEED_ROWS = ("fp32", "bf16", "W8A8 dynamic", "W8A8 static minmax")
+SPEED_ROWS = ("fp32", "bf16", "W8A8 dynamic", "FP8 W8A8 dynamic", "W8A8 static minmax")
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -83,13 +88,19 @@ def main(args) -> RunRecord:
     calib = CalibConfig(samples=args.calib_samples, seqlen=512, data_dir=args.data_dir)
     rows, ref_tokens = [], None
     configs = [c for c in CONFIGS if c[0] in SPEED_ROWS] if args.speed_rows_only else CONFIGS
+    if args.rows:
+        unknown = set(args.rows.split(",")) - {c[0] for c in CONFIGS}
+        if unknown:
+            raise SystemExit(f"error: unknown rows {sorted(unknown)}: pick from {[c[0] for c in CONFIGS]}")
+        configs = [c for c in configs if c[0] in args.rows.split(",")]
     for name, dtype, scheme, observer, alpha in configs:
         t0 = time.perf_counter()
         lm = load_model(args.model, dtype, args.threads)
         row = {"config": name, "dtype": dtype, "scheme": scheme or dtype, "observer": observer, "smoothquant": alpha}
         if scheme:
             report = quantize_w8a8(lm, scheme, "rtn", calib, observer or "minmax", alpha, progress=False)
-            row.update(kernels=report.kernels, simulated=report.simulated, calibration=report.calibration)
+            row.update(kernels=report.kernels, simulated=report.simulated, calibration=report.calibration,
+                       kernel_details=sorted(set(kernels_used(lm.model).values())))
         logits = window_logits(lm, windows)
         fid = token_fidelity(torch.cat(ref), torch.cat(logits))
         row.update(ppl=float(torch.tensor(nll(logits, windows)).exp()), mean_kl=fid.mean_kl,
@@ -102,21 +113,23 @@ def main(args) -> RunRecord:
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         Console().print({k: v for k, v in row.items() if k != "kernels"})
-    fp32 = rows[0]
+    fp32 = next((r for r in rows if r["config"] == "fp32" and "decode_tok_s" in r), None)
     for r in rows:
-        if "decode_tok_s" in r:
+        if fp32 is not None and "decode_tok_s" in r:
             r["decode_vs_fp32"] = r["decode_tok_s"] / fp32["decode_tok_s"]
             r["prefill_vs_fp32"] = r["prefill_tok_s"] / fp32["prefill_tok_s"]
     return RunRecord(
         name="act-quality",
-        model=ModelCondition(args.model, weights_hash(base.path), "per row", "W8A8 rows: w8ch-sym + a8 (rtn weights)",
+        model=ModelCondition(args.model, weights_hash(base.path), "per row",
+                             "W8A8 rows: w8ch-sym + a8; FP8 row: wfp8ch-sym + afp8tok-dyn (rtn weights)",
                              note=SMOLLM2.note if is_default_model(base.path) else ""),
         hardware=hardware_info(),
         lengths=LengthDistribution(args.windows, {"fixed": args.ctx}, {"scored": "every next token"},
                                    "wikitext2/wiki.test.raw first windows; speed: one chat prompt "
                                    f"({len(prompt_ids)} tok) and a {args.prefill_len}-token prefill", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native", {"threads": torch.get_num_threads(), "kernel": "int8xint8 (torch._int_mm)"},
+        engine=EngineCondition("native", {"threads": torch.get_num_threads(),
+                                          "kernel": "int8xint8 (torch._int_mm); fp8xfp8 (see each row's kernel_details)"},
                                warmup="one 8-token generation per model, excluded",
                                cache_warmth=f"KV cache reset per request; calibration {calib.label} (WikiText-2 validation)"),
         metric=MetricCondition(
@@ -156,6 +169,8 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
     parser.add_argument("--no-speed", action="store_true", help="quality only (no lock needed)")
     parser.add_argument("--speed-rows-only", action="store_true", help=f"only the rows {', '.join(SPEED_ROWS)}")
+    parser.add_argument("--rows", default=None, help="comma list of rows to run, of: "
+                        + ", ".join(c[0] for c in CONFIGS))
     args = parser.parse_args()
     record = main(args)
     print_table(record)

@@ -84,7 +84,7 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     ``method`` (rtn, mse, gptq, awq or a registered one); ``calib`` for methods that need calibration
     (default: wikitext2, 128 x 512); ``out``: also write a compressed-tensors checkpoint there."""
     parsed = parse_scheme(scheme)
-    weight_method = get_method(method)
+    weight_method = get_method(method, parsed.weights)
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not overwrite:
         raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --output-dir")

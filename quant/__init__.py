@@ -1,5 +1,5 @@
 """Weight, activation and KV-cache quantization; importing it registers its kernels and checkpoint format."""
-from quant import w8a8  # noqa: F401  (registers the W8A8 kernel)
+from quant import fp8, w8a8  # noqa: F401  (register the FP8 and int8 W8A8 kernels)
 from runtime.loading import CHECKPOINT_FORMATS
 
 

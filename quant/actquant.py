@@ -1,4 +1,4 @@
-"""Activation quantization: range observers (registry by name) and int8 activation quantizers.
+"""Activation quantization: range observers (registry by name) and int8 / fp8 activation quantizers.
 
 Observers watch a stream of rows ``x [n, k]`` and return a clipping range (an absolute max) per column ``[k]``
 (``k = 1`` for per-tensor scales): ``minmax`` (running max |x|), ``percentile`` (a high quantile of |x|),
@@ -140,26 +140,33 @@ class MSEObserver(SamplingObserver):
         return best
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 per row: ``q = round(x / s)``, ``s = max|x_row| / 127`` -> (q int8, s [.., 1])."""
-    scale = (x.float().abs().amax(-1, keepdim=True) / INT8_MAX).clamp_min(torch.finfo(torch.float32).eps)
-    return torch.clamp(torch.round(x.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8), scale
+def _codes(x: torch.Tensor, scale: torch.Tensor, spec: ActSpec) -> torch.Tensor:
+    """Symmetric codes of ``x / scale`` in [-qmax, qmax] (int8: rounded; fp8: rounded by the cast)."""
+    scaled = spec.number.round(x.float() / scale, spec.bits)
+    return torch.clamp(scaled, -spec.qmax, spec.qmax).to(spec.code_dtype)
 
 
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Static symmetric int8 with one calibrated scale."""
-    return torch.clamp(torch.round(x.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
+def quantize_per_token(x: torch.Tensor, spec: ActSpec = ActSpec()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per row: ``q = round(x / s)``, ``s = max|x_row| / qmax`` (int8: 127, fp8: 448)
+    -> (codes, s [.., 1] fp32)."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / spec.qmax).clamp_min(torch.finfo(torch.float32).eps)
+    return _codes(x, scale, spec), scale
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, spec: ActSpec = ActSpec(8, "tensor", False)):
+    """Static symmetric codes with one calibrated scale."""
+    return _codes(x, scale, spec)
 
 
 def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
-    """(int8 codes, scale broadcastable to x) for a Linear input, per ``spec``."""
+    """(codes in ``spec.code_dtype``, scale broadcastable to x) for a Linear input, per ``spec``."""
     if spec.dynamic:
         if spec.granularity != "token":
             raise UserError("dynamic activation scales are per-token only: use a8tok-dyn, or a8t-static")
-        return quantize_per_token(x)
+        return quantize_per_token(x, spec)
     if input_scale is None:
         raise UserError("static activation scales need calibration: run calibration first or use a8tok-dyn")
-    return quantize_per_tensor(x, input_scale), input_scale.reshape(1)
+    return quantize_per_tensor(x, input_scale, spec), input_scale.reshape(1)
 
 
 def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):

@@ -1,9 +1,10 @@
 """compressed-tensors checkpoints: write a quantized native model the way llm-compressor does, load it back.
 
 ``save_compressed`` writes ``config.json`` with a ``quantization_config`` (one config group targeting
-``Linear``, the ignore list, ``format`` = ``pack-quantized`` for weight-only int4 / ``int-quantized`` for W8A8,
-...), safetensors weights named ``model.layers.N....weight_packed | weight_scale | weight_zero_point |
-weight_shape`` (or int8 ``weight`` for W8A8), the tokenizer and the generation config. Packing is done by
+``Linear``, the ignore list, ``format`` = ``pack-quantized`` for weight-only int4 / ``int-quantized`` for W8A8 /
+``float-quantized`` for FP8 W8A8 / ``naive-quantized`` for FP8 weight-only, ...), safetensors weights named
+``model.layers.N....weight_packed | weight_scale | weight_zero_point | weight_shape`` (or int8 / float8_e4m3fn
+``weight`` for the other formats), the tokenizer and the generation config. Packing is done by
 compressed-tensors' own compressors. The directory appears atomically (temp dir + rename).
 
 ``load_quantized`` (called by ``runtime.loading.load_model``) rebuilds the native model with real kernels;
@@ -29,7 +30,7 @@ from runtime.errors import UserError
 from runtime.loading import build_model, load_state_dict
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
-from quant.scheme import ActSpec, QuantScheme, WeightSpec, parse_scheme
+from quant.scheme import NUMBER_TYPES, ActSpec, QuantScheme, WeightSpec, parse_scheme
 from quant.w8a8 import set_static_input_scales
 from runtime.transformer import Transformer
 
@@ -44,28 +45,28 @@ def hf_name(name: str) -> str:
 def ct_scheme(scheme: QuantScheme) -> QuantizationScheme:
     """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear."""
     w = scheme.weights
-    weights = QuantizationArgs(num_bits=w.bits, type="int", symmetric=w.symmetric, strategy=w.granularity,
+    weights = QuantizationArgs(num_bits=w.bits, type=w.type, symmetric=w.symmetric, strategy=w.granularity,
                                group_size=w.group_size, dynamic=False)
     acts = None
     if scheme.activations is not None:
         a = scheme.activations
-        acts = QuantizationArgs(num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.granularity,
+        acts = QuantizationArgs(num_bits=a.bits, type=a.type, symmetric=a.symmetric, strategy=a.granularity,
                                 dynamic=a.dynamic)
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
 
 
 def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
-    """The inverse of ``ct_scheme`` for int formats quantspec runs; anything else is a UserError."""
+    """The inverse of ``ct_scheme`` for the int and FP8 formats quantspec runs; anything else is a UserError."""
     w, a = group.weights, group.input_activations
-    if w is None or w.type != "int" or w.strategy not in ("tensor", "channel", "group"):
-        raise UserError(f"compressed-tensors scheme {group.model_dump(exclude_none=True)} is not an int weight "
+    if w is None or w.type not in NUMBER_TYPES or w.strategy not in ("tensor", "channel", "group"):
+        raise UserError(f"compressed-tensors scheme {group.model_dump(exclude_none=True)} is not a weight "
                         "format quantspec runs natively; load it with the vllm backend instead")
-    weights = WeightSpec(w.num_bits, w.symmetric, w.strategy, w.group_size)
+    weights = WeightSpec(w.num_bits, w.symmetric, w.strategy, w.group_size, w.type)
     acts = None
     if a is not None:
-        if a.type != "int" or a.strategy not in ("token", "tensor"):
+        if a.type not in NUMBER_TYPES or a.strategy not in ("token", "tensor"):
             raise UserError(f"activation format {a.model_dump(exclude_none=True)} is not supported natively")
-        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric)
+        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a.type)
     return QuantScheme(weights, acts, tuple(ignore))
 
 
@@ -152,7 +153,8 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
-    """(codes [N, K] int8, scale, zero int8) of one layer from a compressed state dict (keys without ``model.``)."""
+    """(codes [N, K] in ``spec.code_dtype``, scale, zero int8) of one layer from a compressed state dict (keys
+    without ``model.``)."""
     scale = state.pop(f"{name}.weight_scale")
     if spec.granularity == "tensor":
         scale = scale.reshape(1, 1)
@@ -166,7 +168,7 @@ def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
         q = state.pop(f"{name}.weight")
         zero = state.pop(f"{name}.weight_zero_point", None)
     zero = torch.zeros_like(scale, dtype=torch.int8) if zero is None else zero.reshape(scale.shape).to(torch.int8)
-    return q.to(torch.int8), scale, zero
+    return q.to(spec.code_dtype), scale, zero
 
 
 def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention: str = "sdpa") -> Transformer:
@@ -177,7 +179,7 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
         raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear; "
                         f"this one has {list(qconfig.config_groups)}")
     scheme = scheme_from_ct(groups[0], qconfig.ignore or [])
-    if qconfig.format not in ("pack-quantized", "int-quantized", "naive-quantized"):
+    if qconfig.format not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized"):
         raise UserError(f"{path}: compressed-tensors format {qconfig.format!r} is not supported natively")
     state = load_state_dict(Path(path))
     qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]

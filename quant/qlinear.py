@@ -9,9 +9,12 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
   weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
 * ``int4pack-cuda`` / ``int8-dequant-cuda`` -- the same two formats on a GPU (torch's CUDA tinygemm; int8
   codes widened inside the product), chosen only where a small product on that GPU ran and was right.
-* ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, activation quantization without a
-  registered kernel): dequantized weight + plain matmul. Its speed is *not* a real low-bit speed and every
-  report labels it ``simulated``.
+* ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, FP8 weight-only, activation
+  quantization without a registered kernel): dequantized weight + plain matmul. Its speed is *not* a real
+  low-bit speed and every report labels it ``simulated``.
+
+W8A8 kernels live in ``quant.w8a8`` (int8) and ``quant.fp8`` (FP8 E4M3). A kernel reads the number types it
+names in ``types`` (``int`` codes unless it says otherwise).
 
 Real kernels run bf16 activations (the CPU kernels are much slower on fp32); a model in fp32 casts the
 layer input to bf16 and the output back.
@@ -52,13 +55,19 @@ FAST_DTYPE = torch.bfloat16
 
 
 class Kernel(nn.Module):
-    """Base class: ``q`` [N, K] int8 codes, ``scale``/``zero`` in ``quant.qmath`` layout."""
+    """Base class: ``q`` [N, K] codes (``spec.code_dtype``), ``scale``/``zero`` in ``quant.qmath`` layout."""
 
     name: str = ""
     simulated: bool = False
     priority: int = 0  # higher wins when several kernels support a format
     scale_bytes: int = 4  # bytes per exported scale (fp32 unless the kernel keeps bf16 scales)
     devices: tuple[str, ...] = ("cpu", "cuda")  # device types its ops run on
+    types: tuple[str, ...] = ("int",)  # number types (quant.scheme.NUMBER_TYPES) of the weight and input codes
+
+    @classmethod
+    def reads(cls, spec: WeightSpec, act: ActSpec | None) -> bool:
+        """Whether this kernel reads these number types (checked before ``supports``)."""
+        return spec.type in cls.types and (act is None or act.type in cls.types)
 
     @classmethod
     def supports(cls, spec: WeightSpec, act: ActSpec | None, out_features: int, in_features: int) -> bool:
@@ -91,11 +100,13 @@ def select_kernel(spec: WeightSpec, act: ActSpec | None, shape: tuple[int, int],
     """The named kernel (checked), or the highest-priority kernel that supports this format and shape on this
     device type."""
     if kernel is not None:
-        if not KERNELS.get(kernel).supports(spec, act, *shape) or device not in KERNELS[kernel].devices:
+        cls = KERNELS.get(kernel)
+        if not (cls.reads(spec, act) and cls.supports(spec, act, *shape)) or device not in cls.devices:
             raise UserError(f"kernel {kernel!r} cannot run {spec.label}{'_' + act.label if act else ''} "
                             f"at shape {list(shape)} on {device}")
         return KERNELS[kernel]
-    candidates = [k for k in KERNELS.values() if device in k.devices and k.supports(spec, act, *shape)]
+    candidates = [k for k in KERNELS.values()
+                  if device in k.devices and k.reads(spec, act) and k.supports(spec, act, *shape)]
     return max(candidates, key=lambda k: k.priority)
 
 
@@ -146,9 +157,7 @@ class Int4PackKernel(Kernel):
         self.in_features = q.shape[1]
         unsigned = (q.to(torch.int32) + 8).contiguous()
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
-        s = scale.to(FAST_DTYPE)
-        t = (-zero.float() * s.float()).to(FAST_DTYPE)
-        self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+        self.register_buffer("scales_and_zeros", _tinygemm_scales(scale, zero))
 
     def forward(self, x):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(FAST_DTYPE), self.weight, self.group_size,
@@ -156,6 +165,13 @@ class Int4PackKernel(Kernel):
 
     def export(self):
         return _int4_export(self, torch.ops.aten._weight_int4pack_mm_for_cpu)
+
+
+def _tinygemm_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """tinygemm's ``scales_and_zeros`` [n_groups, N, 2] = (s, t) with ``t = -z * s``, each rounded to bf16 once."""
+    s = scale.to(FAST_DTYPE)
+    t = (-zero.float() * s.float()).to(FAST_DTYPE)
+    return torch.stack([s, t], -1).transpose(0, 1).contiguous()
 
 
 def _int4_export(kernel: Kernel, mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,9 +244,7 @@ class Int4PackCudaKernel(CudaKernel):
         u = (q.to(torch.int32) + 8).contiguous()
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, self.inner_k_tiles))
-        s = scale.to(FAST_DTYPE)
-        t = (-zero.float() * s.float()).to(FAST_DTYPE)
-        self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+        self.register_buffer("scales_and_zeros", _tinygemm_scales(scale, zero))
 
     def forward(self, x):
         return torch.ops.aten._weight_int4pack_mm(x.to(FAST_DTYPE), self.weight, self.group_size,
@@ -269,7 +283,7 @@ class Int8DequantCudaKernel(CudaKernel):
 class SimulatedKernel(Kernel):
     """Any format: dequantized weight in the model dtype + plain matmul (activations fake-quantized if asked)."""
 
-    name, simulated, priority = "simulated", True, -1
+    name, simulated, priority, types = "simulated", True, -1, ("int", "float")
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -278,7 +292,7 @@ class SimulatedKernel(Kernel):
     def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
         super().__init__()
         self.spec, self.act = spec, act
-        self.register_buffer("q", q.to(torch.int8).contiguous())
+        self.register_buffer("q", q.to(spec.code_dtype).contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("zero", zero.to(torch.int8).contiguous())
         self.register_buffer("weight", dequantize(self.q, self.scale, self.zero, spec, dtype), persistent=False)
@@ -358,7 +372,7 @@ class QuantizedLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes [N, padded_in] int8, scale, zero int8) exactly as the kernel uses them."""
+        """(codes [N, padded_in] in ``spec.code_dtype``, scale, zero int8) exactly as the kernel uses them."""
         return self.kernel.export()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Integer quantization math, compressed-tensors compatible.
+"""Integer and FP8 quantization math, compressed-tensors compatible.
 
 ``q = clip(round(x / scale) + zero, qmin, qmax)``, ``x̂ = (q - zero) * scale`` with the signed range
 ``[-2^(b-1), 2^(b-1)-1]``; symmetric: ``scale = absmax / ((qmax - qmin) / 2)``, zero 0; asymmetric:
 ``scale = (max - min) / (qmax - qmin)``, ``zero = round(qmin - min / scale)``; the range always includes 0.
+FP8 (E4M3, symmetric) is the same with the range ``[-448, 448]`` (``scale = absmax / 448``) and the rounding done
+by the cast to ``float8_e4m3fn`` (nearest, ties to even), as compressed-tensors does.
 Scales/zeros have shape [out, n_groups] (per-group), [out, 1] (per-channel) or [1, 1] (per-tensor).
 """
 from __future__ import annotations
@@ -57,10 +59,10 @@ def compute_qparams(w: torch.Tensor, spec: WeightSpec, clip_ratio: float | torch
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Integer codes (int8 storage) with the shape of ``w``."""
+    """Codes (``spec.code_dtype``: int8 storage for integers, float8_e4m3fn for fp8) with the shape of ``w``."""
     g = group_view(w.float(), spec)
-    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], spec.qmin, spec.qmax)
-    return q.reshape(w.shape).to(torch.int8)
+    q = torch.clamp(spec.number.round(g / scale[..., None], spec.bits) + zero[..., None], spec.qmin, spec.qmax)
+    return q.reshape(w.shape).to(spec.code_dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec,

@@ -127,7 +127,7 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
     if scheme.activations is not None and not scheme.activations.dynamic:
         raise UserError(f"{scheme.label}: static activation scales need calibrated input scales, which "
                         "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
-    weight_method = get_method(method)
+    weight_method = get_method(method, scheme.weights)
     spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
     names, dense = plan_layers(lm, scheme)
     modules = dict(model.named_modules())

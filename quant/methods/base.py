@@ -76,6 +76,7 @@ class WeightMethod:
 
     name: str = ""
     needs: tuple[str, ...] = ()
+    types: tuple[str, ...] = ("int",)  # number types (quant.scheme.NUMBER_TYPES) of the codes it can produce
 
     @property
     def needs_calibration(self) -> bool:
@@ -98,8 +99,13 @@ def register_method(cls: type[WeightMethod]) -> type[WeightMethod]:
     return cls
 
 
-def get_method(name: str) -> WeightMethod:
-    return METHODS.get(name)
+def get_method(name: str, spec: WeightSpec | None = None) -> WeightMethod:
+    """The method named ``name``; with ``spec``, a UserError when it cannot produce that scheme's codes."""
+    method = METHODS.get(name)
+    if spec is not None and spec.type not in method.types:
+        able = ", ".join(sorted(n for n, m in METHODS.items() if spec.type in m.types))
+        raise UserError(f"method {name!r} cannot quantize {spec.type} weights ({spec.label}): use {able}")
+    return method
 
 
 def require_stats(method: WeightMethod, stats: LayerStats | None) -> LayerStats:

@@ -68,7 +68,7 @@ def _expand(mask: torch.Tensor, q: torch.Tensor, spec: WeightSpec) -> torch.Tens
 
 @register_method
 class MSE(WeightMethod):
-    name = "mse"
+    name, types = "mse", ("int", "float")
 
     def quantize_weight(self, weight, spec, stats=None):
         return clip_search(weight, spec)

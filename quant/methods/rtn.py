@@ -5,7 +5,7 @@ from quant.qmath import compute_qparams, quantize
 
 @register_method
 class RTN(WeightMethod):
-    name = "rtn"
+    name, types = "rtn", ("int", "float")
 
     def quantize_weight(self, weight, spec, stats=None):
         scale, zero = compute_qparams(weight, spec)

@@ -7,13 +7,16 @@ import logging
 
 import typer
 
-from quantspec import DEFAULT_DTYPE, UserError
+from quantspec import DEFAULT_DTYPE, SCHEME_PRESETS, UserError
 from quantspec.report import set_verbosity
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="quantspec: quantize, speculate, and score speed per effective token against quality. "
                        "Extensions: QUANTSPEC_PLUGINS=mod1,mod2 or --plugin MOD (before the command) imports "
                        "modules that register methods, proposers, backends.")
+
+
+SCHEME_HELP = f"Preset ({', '.join(SCHEME_PRESETS)}) or label (w4g32-asym, wfp8ch-sym_afp8tok-dyn)."
 
 
 def flag(*names: str, help: str) -> typer.models.OptionInfo:

@@ -7,7 +7,7 @@ import typer
 
 import quantspec
 from quantspec import Config, ServingConfig
-from quantspec.cli.app import DataDirOption, ModelArgument, ModelOption, app, compile_option, pick_model
+from quantspec.cli.app import SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, app, compile_option, pick_model
 from quantspec.report import note, print_bench, print_caveat, progress
 
 
@@ -15,7 +15,7 @@ from quantspec.report import note, print_bench, print_caveat, progress
 def bench(
     model: str = ModelArgument,
     model_option: str = ModelOption,
-    scheme: str = typer.Option("none", help="Weight/activation scheme: none, W8A8, W4A16, w4g32-asym, ..."),
+    scheme: str = typer.Option("none", help=f"{SCHEME_HELP} none: unquantized."),
     method: str = typer.Option("rtn", help="Weight quantization method."),
     kv: str = typer.Option("none", help="KV-cache format: none (bf16), fp8, kivi4, k8tok-v4chg32, ..."),
     spec: str = typer.Option(None, help="Proposer, e.g. ngram:k=4, ngram:min=2,max=4, draft:PATH (default: none)."),

@@ -5,7 +5,8 @@ import typer
 
 import quantspec
 from quantspec import Config, EvalConfig
-from quantspec.cli.app import DataDirOption, DtypeOption, ModelArgument, ModelOption, app, flag, pick_model
+from quantspec.cli.app import (SCHEME_HELP, DataDirOption, DtypeOption, ModelArgument, ModelOption, app, flag,
+                               pick_model)
 from quantspec.report import note, print_backend_comparison, print_eval_report
 
 
@@ -14,7 +15,7 @@ def eval_command(
     model: str = ModelArgument,
     model_option: str = ModelOption,
     tasks: str = typer.Option("arc_easy", "--tasks", "-t", help="Comma-separated lm-eval task names."),
-    scheme: str = typer.Option(None, "--scheme", "-s", help="Weight scheme (e.g. w4g32-asym, W8A16); native only."),
+    scheme: str = typer.Option(None, "--scheme", "-s", help=SCHEME_HELP),
     method: str = typer.Option("rtn", "--method", help="Quantization method (rtn, gptq, ...)."),
     kv: str = typer.Option(None, "--kv", help="KV cache spec (quant.kvcache), e.g. k8tok-v8tok, fp8."),
     backend: str = typer.Option("native", "--backend", help="native or vllm."),

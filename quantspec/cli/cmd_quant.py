@@ -7,13 +7,14 @@ import typer
 
 import quantspec
 from quantspec.report import note, print_quantized
-from quantspec.cli.app import DataDirOption, ModelArgument, ModelOption, OutputPathOption, app, flag, pick_model
+from quantspec.cli.app import (SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, OutputPathOption, app, flag,
+                               pick_model)
 
 @app.command()
 def quantize(
     model: str = ModelArgument,
     model_option: str = ModelOption,
-    scheme: str = typer.Option(..., "--scheme", "-s", help="Preset (W8A16, W4A16, W8A8, ...) or label (w4g32-asym)."),
+    scheme: str = typer.Option(..., "--scheme", "-s", help=SCHEME_HELP),
     method: str = typer.Option("rtn", help="Weight method: rtn, mse, gptq, awq."),
     calib: str = typer.Option("wikitext2", help="Calibration text: wikitext2, self, or PATH.jsonl."),
     calib_samples: int = typer.Option(128, "--calib-samples"),
