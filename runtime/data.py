@@ -24,7 +24,8 @@ def find_data_dir(option: str | Path | None = None, required: bool = True) -> Pa
             source = "--data-dir" if option else "QUANTSPEC_DATA_DIR"
             raise UserError(f"data dir {path} (from {source}) does not exist; point it at a copy of shared/data")
         return path
-    for candidate in (REPO_ROOT.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"):
+    for candidate in (REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "shared" / "data",
+                      Path.cwd().parent / "shared" / "data"):  # beside the checkout (CI) or linked into it
         if candidate.is_dir():
             return candidate
     if required:

@@ -84,6 +84,22 @@ def test_missing_data_dir(tmp_path):
         find_data_dir(tmp_path / "absent")
 
 
+def test_data_dir_found_beside_or_inside_the_checkout(tmp_path, monkeypatch):
+    """``shared/data`` beside the checkout (CI) or a ``shared`` linked into it (a clone made by hand) is found;
+    with neither there is none (the negative control)."""
+    from runtime import data
+
+    repo = tmp_path / "repo"
+    monkeypatch.delenv("QUANTSPEC_DATA_DIR", raising=False)
+    monkeypatch.setattr(data, "REPO_ROOT", repo)
+    monkeypatch.chdir(tmp_path)
+    assert data.find_data_dir(required=False) is None
+    (repo / "shared" / "data").mkdir(parents=True)
+    assert data.find_data_dir() == repo / "shared" / "data"
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    assert data.find_data_dir() == tmp_path / "shared" / "data"
+
+
 def test_generate_on_tiny_model(tiny_llama_dir):
     proc = run_cli("generate", str(tiny_llama_dir), "-p", "abc", "--max-new-tokens", "5", "--no-chat")
     assert proc.returncode == 0, proc.stderr
