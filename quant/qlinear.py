@@ -144,6 +144,7 @@ class Int4PackKernel(Kernel):
     ``u = q + 8`` and ``t = -z * s`` (rounded to bf16 once, like ``s``)."""
 
     name, priority, scale_bytes, devices = "int4pack", 10, 2, ("cpu",)  # torch's CPU tinygemm layout
+    mm = staticmethod(torch.ops.aten._weight_int4pack_mm_for_cpu)
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -155,35 +156,27 @@ class Int4PackKernel(Kernel):
         super().__init__()
         self.group_size = spec.group_size
         self.in_features = q.shape[1]
-        unsigned = (q.to(torch.int32) + 8).contiguous()
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
-        self.register_buffer("scales_and_zeros", _tinygemm_scales(scale, zero))
+        self.register_buffer("weight", self.pack((q.to(torch.int32) + 8).contiguous()))
+        s = scale.to(FAST_DTYPE)
+        t = (-zero.float() * s.float()).to(FAST_DTYPE)
+        self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+
+    def pack(self, unsigned: torch.Tensor) -> torch.Tensor:
+        """The unsigned codes [N, K] in 0..15 in this kernel's tiled layout."""
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
 
     def forward(self, x):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(FAST_DTYPE), self.weight, self.group_size,
-                                                          self.scales_and_zeros).to(x.dtype)
+        return self.mm(x.to(FAST_DTYPE), self.weight, self.group_size, self.scales_and_zeros).to(x.dtype)
 
     def export(self):
-        return _int4_export(self, torch.ops.aten._weight_int4pack_mm_for_cpu)
-
-
-def _tinygemm_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """tinygemm's ``scales_and_zeros`` [n_groups, N, 2] = (s, t) with ``t = -z * s``, each rounded to bf16 once."""
-    s = scale.to(FAST_DTYPE)
-    t = (-zero.float() * s.float()).to(FAST_DTYPE)
-    return torch.stack([s, t], -1).transpose(0, 1).contiguous()
-
-
-def _int4_export(kernel: Kernel, mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An int4 tinygemm kernel's (q, s, z): codes by running ``mm`` on the identity with (s, t) = (1, 0), exact
-    small integers."""
-    unit = torch.zeros_like(kernel.scales_and_zeros)
-    unit[..., 0] = 1
-    eye = torch.eye(kernel.in_features, dtype=FAST_DTYPE, device=unit.device)
-    q = mm(eye, kernel.weight, kernel.group_size, unit).T
-    s, t = kernel.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, n_groups] each
-    zero = torch.round(-t.float() / s.float())  # |z| <= 8, so bf16 rounding of t cannot move it
-    return q.round().to(torch.int8).contiguous(), s.contiguous(), zero.to(torch.int8)
+        """Codes by running the kernel on the identity with (s, t) = (1, 0): exact small integers."""
+        unit = torch.zeros_like(self.scales_and_zeros)
+        unit[..., 0] = 1
+        eye = torch.eye(self.in_features, dtype=FAST_DTYPE, device=unit.device)
+        q = self.mm(eye, self.weight, self.group_size, unit).T
+        s, t = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, n_groups] each
+        zero = torch.round(-t.float() / s.float())  # |z| <= 8, so bf16 rounding of t cannot move it
+        return q.round().to(torch.int8).contiguous(), s.contiguous(), zero.to(torch.int8)
 
 
 @functools.cache
@@ -224,12 +217,13 @@ class CudaKernel(Kernel):
 
 
 @register_kernel
-class Int4PackCudaKernel(CudaKernel):
+class Int4PackCudaKernel(CudaKernel, Int4PackKernel):
     """Group-wise int4 in torch's CUDA tinygemm layout (``_weight_int4pack_mm``, as gpt-fast and torchao use it):
     the CPU kernel's arithmetic ``w = (u - 8) * s + t`` on codes packed two per byte and tiled for the tensor
     cores (inner k-tiles of 16 columns: 8, 4 or 2 per tile, the most that divide the width)."""
 
-    name, priority, scale_bytes, probe_scheme = "int4pack-cuda", 10, 2, "w4g32-sym"
+    name, probe_scheme = "int4pack-cuda", "w4g32-sym"
+    mm = staticmethod(torch.ops.aten._weight_int4pack_mm)
 
     @classmethod
     def fits(cls, spec, act, out_features, in_features):
@@ -237,46 +231,26 @@ class Int4PackCudaKernel(CudaKernel):
                 and spec.group_size in (32, 64, 128, 256) and in_features % spec.group_size == 0
                 and in_features % 32 == 0 and out_features % 8 == 0)
 
-    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
-        super().__init__()
-        self.group_size, self.in_features = spec.group_size, q.shape[1]
-        self.inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
-        u = (q.to(torch.int32) + 8).contiguous()
-        packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(packed, self.inner_k_tiles))
-        self.register_buffer("scales_and_zeros", _tinygemm_scales(scale, zero))
-
-    def forward(self, x):
-        return torch.ops.aten._weight_int4pack_mm(x.to(FAST_DTYPE), self.weight, self.group_size,
-                                                  self.scales_and_zeros).to(x.dtype)
-
-    def export(self):
-        return _int4_export(self, torch.ops.aten._weight_int4pack_mm)
+    def pack(self, unsigned):
+        inner_k_tiles = next(t for t in (8, 4, 2) if unsigned.shape[1] % (16 * t) == 0)
+        packed = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles)
 
 
 @register_kernel
-class Int8DequantCudaKernel(CudaKernel):
-    """Symmetric per-channel int8 weights on CUDA: ``y = (x @ q.T) * s`` with the codes widened inside the
-    product (gpt-fast's int8 weight-only: under ``torch.compile`` inductor fuses the widening into the GEMV, so
-    only the int8 codes stream; eager it materializes a bf16 weight per call)."""
+class Int8DequantCudaKernel(CudaKernel, Int8PackKernel):
+    """Symmetric per-channel int8 weights on CUDA, stored as ``int8pack`` stores them: ``y = (x @ q.T) * s`` with
+    the codes widened inside the product (gpt-fast's int8 weight-only: under ``torch.compile`` inductor fuses the
+    widening into the GEMV, so only the int8 codes stream; eager it materializes a bf16 weight per call)."""
 
-    name, priority, scale_bytes, probe_scheme = "int8-dequant-cuda", 10, 2, "w8ch-sym"
+    name, probe_scheme = "int8-dequant-cuda", "w8ch-sym"
 
     @classmethod
     def fits(cls, spec, act, out_features, in_features):
         return act is None and spec.bits == 8 and spec.symmetric and spec.granularity == "channel"
 
-    def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
-        super().__init__()
-        self.register_buffer("weight", q.to(torch.int8).contiguous())
-        self.register_buffer("scales", scale.reshape(-1).to(FAST_DTYPE).contiguous())
-
     def forward(self, x):
         return (F.linear(x.to(FAST_DTYPE), self.weight.to(FAST_DTYPE)) * self.scales).to(x.dtype)
-
-    def export(self):
-        scale = self.scales[:, None]
-        return self.weight, scale, torch.zeros_like(scale, dtype=torch.int8)
 
 
 @register_kernel
