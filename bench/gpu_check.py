@@ -437,7 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--derive", metavar="JSON", help="recompute the derived figures of a written record, in place")
     args = parser.parse_args(argv)
     if args.derive:
-        write_json_atomic(Path(args.derive), derive(json.loads(Path(args.derive).read_text())))
+        try:
+            record = json.loads(Path(args.derive).read_text())
+            if record.get("name") != "gpu-check":
+                raise ValueError("not a gpu-check record")
+        except (OSError, ValueError) as exc:
+            print(f"error: --derive {args.derive}: {exc}; pass a gpu-check.*.json this script wrote", file=sys.stderr)
+            return 2
+        write_json_atomic(Path(args.derive), derive(record))
         return 0
     try:
         device = resolve_device(args.device)

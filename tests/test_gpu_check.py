@@ -121,3 +121,14 @@ def test_cuda_refused_in_one_line(tmp_path):
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: device 'cuda' is not available here") and "--device cpu" in proc.stderr
+
+
+def test_derive_refuses_a_file_it_cannot_read(tmp_path):
+    """--derive on a missing file or another bench's JSON: one error line, exit 2, the file untouched."""
+    other = tmp_path / "other.json"
+    other.write_text('{"name": "decode"}')
+    for path in (tmp_path / "absent.json", other):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--derive", str(path)],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.startswith("error: --derive")
+    assert other.read_text() == '{"name": "decode"}'
