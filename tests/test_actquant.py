@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import VLLM_W8A8_AMX
+from conftest import STATIC_W8A8, VLLM_W8A8_AMX
 from quant.actquant import (calibrate_input_scales, check_scale, make_observer, quantize_activation,
                             quantize_per_token)
 from quant.calibration import CalibConfig
@@ -165,32 +165,9 @@ def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path):
 # ------------------------------------------------------------------------------------------------ vLLM
 
 
-@pytest.fixture(scope="module")
-def vllm_static_answer(default_model_dir, tmp_path_factory):
-    """The static W8A8 export answered by vLLM, through tests/test_quant_vllm.py's runner (its own process)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from quant.checkpoint import save_compressed
-
-    runner = Path(__file__).with_name("test_quant_vllm.py")
-    lm = load_model(str(default_model_dir), "bf16", threads=1)
-    report = quantize_w8a8(lm, "w8ch-sym_a8t-static", calib=CalibConfig(samples=8, seqlen=256), observer="mse",
-                           progress=False)  # minmax static scales lose the answer on this model (bench/act_quality.py)
-    out = save_compressed(lm, report, tmp_path_factory.mktemp("vllm-static") / "w8a8-static")
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(runner), json.dumps({"static": str(out)})], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["static"]
-
-
 @pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.data
 @VLLM_W8A8_AMX
-def test_vllm_generates_from_static_w8a8_checkpoint(vllm_static_answer):
-    assert "Paris" in vllm_static_answer
+def test_vllm_generates_from_static_w8a8_checkpoint(vllm_export_answers):
+    assert "Paris" in vllm_export_answers[STATIC_W8A8]

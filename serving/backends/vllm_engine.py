@@ -214,8 +214,9 @@ class VllmBackend(Backend):
             except Exception as exc:  # engine start failure: one line, no traceback
                 raise UserError(f"vLLM engine failed to start for {self.config.config.label}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-            finally:
-                self._engine_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            finally:  # the engine's processes; not multiprocessing's resource tracker, which lives as long as we do
+                self._engine_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                                      and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
         return self._llm
 
     @property
