@@ -32,7 +32,7 @@ from torch import nn
 
 from runtime.errors import UserError
 from runtime.loading import build_model, load_state_dict
-from quant.microscale import ct_weight_args, loaded_scale, stored_scale
+from quant.microscale import ct_args, loaded_scale, stored_scale
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
 from quant.scheme import NUMBER_TYPES, ActSpec, QuantScheme, WeightSpec, parse_scheme
@@ -50,12 +50,8 @@ def hf_name(name: str) -> str:
 
 def ct_scheme(scheme: QuantScheme) -> QuantizationScheme:
     """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear."""
-    acts = None
-    if scheme.activations is not None:
-        a = scheme.activations
-        acts = QuantizationArgs(num_bits=a.bits, type=a.type, symmetric=a.symmetric, strategy=a.granularity,
-                                dynamic=a.dynamic)
-    return QuantizationScheme(targets=["Linear"], weights=ct_weight_args(scheme.weights), input_activations=acts)
+    acts = ct_args(scheme.activations) if scheme.activations is not None else None
+    return QuantizationScheme(targets=["Linear"], weights=ct_args(scheme.weights), input_activations=acts)
 
 
 def _number_type(args: QuantizationArgs) -> str | None:
@@ -66,7 +62,7 @@ def _number_type(args: QuantizationArgs) -> str | None:
 
 def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
     """The inverse of ``ct_scheme`` for the int, FP8 and microscaling formats quantspec runs; anything else is a
-    UserError."""
+    UserError (in one line, from our specs' checks where the args are a format we know but do not run)."""
     w, a = group.weights, group.input_activations
     number = _number_type(w) if w is not None else None
     if number is None or w.strategy not in ("tensor", "channel", "group", "tensor_group"):
@@ -76,9 +72,10 @@ def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
     weights = WeightSpec(w.num_bits, w.symmetric, granularity, w.group_size, number)
     acts = None
     if a is not None:
-        if a.type not in NUMBER_TYPES or a.strategy not in ("token", "tensor"):
+        a_number = _number_type(a)
+        if a_number is None or a.strategy not in ("token", "tensor", "group"):
             raise UserError(f"activation format {a.model_dump(exclude_none=True)} is not supported natively")
-        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a.type)
+        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a_number, a.group_size)
     return QuantScheme(weights, acts, tuple(ignore))
 
 

@@ -1,4 +1,5 @@
-"""Microscaling formats (MXFP4, MXFP8, NVFP4) by compressed-tensors' own functions, so our codes are theirs.
+"""Microscaling formats (MXFP4, MXFP8, NVFP4) by compressed-tensors' own functions, so our codes are theirs
+(weights; and the dynamic per-group activations of MXFP4 / MXFP8).
 
 Scales come from ``calculate_qparams`` (MX: the group's absmax rounded to a power of two by
 ``generate_mx_scales``, kept as E8M0 exponents on export; NVFP4: ``global * absmax / 6`` rounded to E4M3, with the
@@ -18,10 +19,11 @@ import torch
 import torch._dynamo
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
 
-from quant.scheme import WeightSpec
+from quant.scheme import ActSpec, WeightSpec
 
 
 @contextmanager
@@ -31,16 +33,17 @@ def eager():
         yield
 
 
-def ct_weight_args(spec: WeightSpec) -> QuantizationArgs:
-    """Our weight spec as compressed-tensors ``QuantizationArgs`` (its presets' fields for the MX/NV formats)."""
+def ct_args(spec: WeightSpec | ActSpec) -> QuantizationArgs:
+    """Our weight or activation spec as compressed-tensors ``QuantizationArgs`` (its presets' fields for the MX/NV
+    formats)."""
     number = spec.number
     extra = {}
     if number.microscaled:
         extra = {"scale_dtype": number.scale_dtype, "zp_dtype": number.scale_dtype,
                  "strategy": "tensor_group" if number.global_scale else "group"}
     return QuantizationArgs(**{"num_bits": spec.bits, "type": number.ct_type, "symmetric": spec.symmetric,
-                               "strategy": spec.granularity, "group_size": spec.group_size, "dynamic": False,
-                               **extra})
+                               "strategy": spec.granularity, "group_size": spec.group_size,
+                               "dynamic": isinstance(spec, ActSpec) and spec.dynamic, **extra})
 
 
 def global_scale(w: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def global_scale(w: torch.Tensor) -> torch.Tensor:
 def qparams(g_min: torch.Tensor, g_max: torch.Tensor, spec: WeightSpec, gscale: torch.Tensor | None):
     """Effective group scales (and zero zeros) from per-group min/max [out, n_groups]."""
     with eager():
-        scale, _ = calculate_qparams(g_min, g_max, ct_weight_args(spec), global_scale=gscale)
+        scale, _ = calculate_qparams(g_min, g_max, ct_args(spec), global_scale=gscale)
     scale = scale.float()
     if gscale is not None:
         scale = scale / gscale  # what compressed-tensors' quantize and dequantize divide by
@@ -63,7 +66,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, spec: WeightSpec) -> torch.Te
     """Codes of ``w`` [out, in] with effective group scales [out, n_groups] (``spec.code_dtype``); ``+ 0.0`` makes
     the -0 its FP4 cast gives tiny negatives +0, the code its compressor writes for them (equal values)."""
     with eager():
-        q = ct_quantize(w.float(), scale, None, ct_weight_args(spec))
+        q = ct_quantize(w.float(), scale, None, ct_args(spec))
     return (q + 0.0).to(spec.code_dtype)
 
 
@@ -81,3 +84,12 @@ def loaded_scale(stored: torch.Tensor, spec: WeightSpec, gscale: torch.Tensor | 
         return decompress_mx_scale(stored).float()
     scale = stored.float()
     return scale / gscale if gscale is not None else scale
+
+
+def fake_quantize_activation(x: torch.Tensor, spec: ActSpec) -> torch.Tensor:
+    """Dynamic quantize-dequantize of a Linear input per group (compressed-tensors' ``forward_quantize`` for
+    dynamic activations: ``compute_dynamic_scales_and_zp``, then ``fake_quantize``), in ``x``'s dtype."""
+    args = ct_args(spec)
+    with eager():
+        scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
+        return ct_fake_quantize(x, scale, zero, args)

@@ -136,21 +136,28 @@ class WeightSpec(_Coded):
 
 @dataclass(frozen=True)
 class ActSpec(_Coded):
-    """Input-activation quantization of Linear layers (8-bit int or fp8; per-token dynamic or per-tensor static)."""
+    """Input-activation quantization of Linear layers: 8-bit int or fp8, per-token dynamic or per-tensor static;
+    or a microscaling format (MXFP4, MXFP8), dynamic per group of its block."""
 
     bits: int = 8
-    granularity: str = "token"  # token | tensor
+    granularity: str = "token"  # token | tensor | group (microscaling formats)
     dynamic: bool = True
     symmetric: bool = True
     type: str = "int"  # number type, as WeightSpec.type
+    group_size: int | None = None  # microscaling: the format's block
 
     def __post_init__(self):
-        if self.bits != 8:
-            raise UserError(f"activation bits {self.bits} not supported: use 8")
         number = _check_number("activation", self.type, self.bits, self.symmetric)
         if number.microscaled:
-            raise UserError(f"{self.type} activations (per-group microscaling) are not built: use a weight-only "
-                            "microscaling scheme (MXFP4A16, NVFP4A16, MXFP8A16) or afp8tok-dyn activations")
+            if number.global_scale:
+                raise UserError(f"{self.type} activations need a calibrated per-tensor global scale, which is not "
+                                "built: use weight-only NVFP4A16, or MXFP4 (dynamic E8M0 group scales)")
+            if (self.granularity, self.group_size, self.dynamic) != ("group", number.group_size, True):
+                raise UserError(f"{self.type} activations are quantized dynamically per group of "
+                                f"{number.group_size}: use a{number.prefix}{self.bits}g{number.group_size}-dyn")
+            return
+        if self.bits != 8:
+            raise UserError(f"activation bits {self.bits} not supported: use 8")
         if self.granularity not in ("token", "tensor"):
             raise UserError(f"activation granularity {self.granularity!r}: use token or tensor")
         if not self.dynamic and not number.static_activations:
@@ -164,7 +171,7 @@ class ActSpec(_Coded):
 
     @property
     def label(self) -> str:
-        gran = {"token": "tok", "tensor": "t"}[self.granularity]
+        gran = {"token": "tok", "tensor": "t", "group": f"g{self.group_size}"}[self.granularity]
         return f"a{self.number.prefix}{self.bits}{gran}-{'dyn' if self.dynamic else 'static'}"
 
 
@@ -211,10 +218,12 @@ register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float
 register_preset("MXFP4A16", QuantScheme(WeightSpec(4, True, "group", 32, type="mxfp")))
 register_preset("NVFP4A16", QuantScheme(WeightSpec(4, True, "group", 16, type="nvfp")))
 register_preset("MXFP8A16", QuantScheme(WeightSpec(8, True, "group", 32, type="mxfp")))
+register_preset("MXFP4", QuantScheme(PRESETS["MXFP4A16"].weights, ActSpec(4, "group", True, type="mxfp", group_size=32)))
+register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights, ActSpec(8, "group", True, type="mxfp", group_size=32)))
 
 _LABEL = re.compile(
     r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
-    r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t)-(?P<adyn>dyn|static))?"
+    r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t|g(?P<agroup>\d+))-(?P<adyn>dyn|static))?"
     r"(?:@ignore=(?P<ignore>[\w.,*-]*))?(?P<pad>\+pad)?$"
 )
 
@@ -234,8 +243,8 @@ def parse_scheme(text: str) -> QuantScheme:
                          _number_type(m["wtype"], text))
     acts = None
     if m["abits"]:
-        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}[m["agran"]], m["adyn"] == "dyn",
-                       type=_number_type(m["atype"], text))
+        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}.get(m["agran"], "group"), m["adyn"] == "dyn",
+                       type=_number_type(m["atype"], text), group_size=int(m["agroup"]) if m["agroup"] else None)
     ignore = tuple(x for x in m["ignore"].split(",") if x) if m["ignore"] is not None else DEFAULT_IGNORE
     return QuantScheme(weights, acts, ignore, bool(m["pad"]))
 

@@ -20,7 +20,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
-| MXFP4A16, NVFP4A16, MXFP8A16 (microscaling) | no (no CPU kernel; native backend, simulated) |
+| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling weights or activations) | no (no CPU kernel; native backend, simulated) |
 | 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable
 
 from runtime.errors import UserError
 from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, asked through this module)
-from quant.scheme import QuantScheme, parse_scheme
+from quant.scheme import NUMBER_TYPES, QuantScheme, parse_scheme
 from runtime.hardware import vllm_ops
 
 __all__ = ["VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
@@ -55,7 +55,7 @@ def _types(s: QuantScheme) -> set[str]:
 VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: s.weights is None, True, "bf16"),
     VllmRule(lambda s: s.pad, False, "padded groups (+pad) have no compressed-tensors layout"),
-    VllmRule(lambda s: _w(s).number.microscaled, False,
+    VllmRule(lambda s: any(NUMBER_TYPES[t].microscaled for t in _types(s)), False,
              "vLLM 0.32 has no CPU kernel for MXFP4 / NVFP4 / MXFP8 (its microscaling kernels, emulation included, "
              "are registered for CUDA, ROCm and XPU only); run it with --backend native (simulated kernel)"),
     VllmRule(lambda s: _types(s) == {"float"} and s.activations is None, False,

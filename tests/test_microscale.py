@@ -1,15 +1,17 @@
-"""Microscaling formats (MXFP4, NVFP4, MXFP8): grammar and presets against compressed-tensors' own, the math
-against its functions, the simulated runtime, the packed exports decompressed by compressed-tensors, vLLM's
-refusal and the CLI. Each correctness check is run once on a broken version too (negative control)."""
+"""Microscaling formats (MXFP4, NVFP4, MXFP8; MXFP4 / MXFP8 activations): grammar and presets against
+compressed-tensors' own, the math against its functions, the simulated runtime, the packed exports decompressed by
+compressed-tensors, vLLM's refusal and the CLI. Each correctness check is run once on a broken version too (negative control)."""
 import json
 
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStatus, preset_name_to_scheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
+from quant.actquant import fake_quantize_activation
 from quant.checkpoint import ct_scheme, save_compressed
 from quant.methods import get_method
 from quant.microscale import eager, stored_scale
@@ -31,16 +33,19 @@ FORMATS = [("MXFP4A16", "wmxfp4g32-sym", "mxfp4-pack-quantized"),
            ("NVFP4A16", "wnvfp4g16-sym", "nvfp4-pack-quantized"),
            ("MXFP8A16", "wmxfp8g32-sym", "mxfp8-quantized")]
 PRESET_NAMES = [f[0] for f in FORMATS]
+# with dynamic per-group activations of the same format
+ACT_FORMATS = [("MXFP4", "wmxfp4g32-sym_amxfp4g32-dyn", "mxfp4-pack-quantized"),
+               ("MXFP8", "wmxfp8g32-sym_amxfp8g32-dyn", "mxfp8-quantized")]
 E2M1 = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
 
 
 # ---- grammar and presets ----
 
-@pytest.mark.parametrize("preset,label,_fmt", FORMATS)
+@pytest.mark.parametrize("preset,label,_fmt", FORMATS + ACT_FORMATS)
 def test_presets_are_labels_that_parse_back(preset, label, _fmt):
     scheme = parse_scheme(preset)
-    assert scheme.label == label and parse_scheme(label) == scheme and scheme.activations is None
-    assert parse_scheme(preset.lower()) == scheme
+    assert scheme.label == label and parse_scheme(label) == scheme and parse_scheme(preset.lower()) == scheme
+    assert (scheme.activations is None) == preset.endswith("A16")
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -50,7 +55,10 @@ def test_presets_are_labels_that_parse_back(preset, label, _fmt):
     ("wmxfp4ch-sym", "not per-channel"),
     ("wnvfp8g16-sym", "unsupported weight bits 8 for nvfp codes"),
     ("wmxfp3g32-sym", "unsupported weight bits 3 for mxfp codes"),
-    ("wmxfp8g32-sym_amxfp8tok-dyn", "mxfp activations (per-group microscaling) are not built"),
+    ("wmxfp8g32-sym_amxfp8tok-dyn", "mxfp activations are quantized dynamically per group of 32: use amxfp8g32-dyn"),
+    ("wmxfp4g32-sym_amxfp4g32-static", "quantized dynamically per group of 32"),
+    ("wnvfp4g16-sym_anvfp4g16-dyn", "nvfp activations need a calibrated per-tensor global scale, which is not built"),
+    ("w8ch-sym_a8g32-dyn", "activation granularity 'group': use token or tensor"),
 ])
 def test_bad_combinations_are_one_line_errors(text, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")) as err:
@@ -59,18 +67,19 @@ def test_bad_combinations_are_one_line_errors(text, needle):
 
 
 def test_presets_equal_compressed_tensors_field_by_field():
-    """Every field of our weight args (num_bits, type, strategy, group_size, symmetric, dynamic, scale_dtype,
-    zp_dtype, observer, ...) equals compressed-tensors' preset of the same name. Negative controls: the presets
-    differ from each other, and FP4 in groups of 32 without E8M0 scales is not MXFP4A16."""
+    """Every field of our weight and input-activation args (num_bits, type, strategy, group_size, symmetric, dynamic,
+    scale_dtype, zp_dtype, observer, ...) equals compressed-tensors' preset of the same name. Negative controls: the
+    presets differ from each other, and FP4 in groups of 32 without E8M0 scales is not MXFP4A16."""
     dumps = {}
-    for name in PRESET_NAMES:
+    for name in PRESET_NAMES + [f[0] for f in ACT_FORMATS]:
         ours, theirs = ct_scheme(PRESETS[name]), preset_name_to_scheme(name, ["Linear"])
         assert ours.weights.model_dump() == theirs.weights.model_dump(), name
-        assert ours.input_activations is None and theirs.input_activations is None
-        dumps[name] = ours.weights.model_dump()
-    assert len({json.dumps(d, sort_keys=True, default=str) for d in dumps.values()}) == 3
+        acts = [a.model_dump() if a is not None else None for a in (ours.input_activations, theirs.input_activations)]
+        assert acts[0] == acts[1], name
+        dumps[name] = json.dumps([ours.weights.model_dump(), acts[0]], sort_keys=True, default=str)
+    assert len(set(dumps.values())) == len(dumps)
     plain = QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, dynamic=False)
-    assert plain.model_dump() != dumps["MXFP4A16"]
+    assert plain.model_dump() != ct_scheme(PRESETS["MXFP4A16"]).weights.model_dump()
 
 
 # ---- quantization math ----
@@ -131,6 +140,41 @@ def test_scales_and_codes_have_the_format(preset, label, _fmt):
     assert not torch.equal(torch.exp2(torch.log2(int4_scale).round()), int4_scale)
 
 
+@pytest.mark.parametrize("preset", [f[0] for f in ACT_FORMATS])
+def test_activations_are_compressed_tensors_dynamic_quantization(preset):
+    """Our activation quantize-dequantize equals compressed-tensors' ``forward_quantize`` of a dynamic input (what
+    its quantized Linear runs), and each group of 32 is an FP4 / FP8 grid under a power-of-two scale. Negative
+    control: FP8 per-token quantization of the same input is not it."""
+    act = PRESETS[preset].activations
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.01, 4, 128)
+    module = torch.nn.Module()
+    module.quantization_status = QuantizationStatus.FROZEN
+    with eager():
+        theirs = forward_quantize(module, x, "input", ct_scheme(PRESETS[preset]).input_activations)
+    ours = fake_quantize_activation(x, act)
+    assert torch.equal(ours, theirs)
+    # per group of 32: at most 8 magnitudes (E2M1) for FP4, each an E4M3 value times a power of two
+    groups = ours.reshape(-1, 32)
+    pow2 = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True) / act.qmax)))
+    assert torch.equal((groups / pow2).to(torch.float8_e4m3fn).float() * pow2, groups)
+    if act.bits == 4:
+        assert max(len(g.abs().unique()) for g in groups) <= len(E2M1) < len(x.reshape(-1, 32)[0].abs().unique())
+    assert not torch.equal(ours, fake_quantize_activation(x, parse_scheme("FP8_DYNAMIC").activations))
+
+
+@pytest.mark.parametrize("preset", [f[0] for f in ACT_FORMATS])
+def test_activation_schemes_run_on_the_simulated_kernel(tiny_llama_dir, preset):
+    """A layer with MX activations computes the quantized input times the dequantized weight; negative control: the
+    weight-only twin gives another output."""
+    lm = load_model(str(tiny_llama_dir), "fp32")
+    assert quantize_model(lm, preset, progress=False).kernels == {"simulated": 14}
+    layer = lm.model.get_submodule("layers.0.mlp.down_proj")  # 64 x 128
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(3))
+    expected = fake_quantize_activation(x, layer.act) @ layer.dequantized_weight().T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+    assert (layer(x) - x @ layer.dequantized_weight().T).abs().max() > 1e-3
+
+
 def test_methods_refuse_microscaling_in_one_line():
     refusal = r"method 'gptq' cannot quantize mxfp weights \(wmxfp4g32-sym\): use awq, mse, rtn$"
     with pytest.raises(UserError, match=refusal):
@@ -174,7 +218,7 @@ def decompressed_equals(local, qscheme, fmt, layer) -> bool:
         return fp8_decompressed_equals(local, qscheme, fmt, layer.dequantized_weight(torch.bfloat16))
 
 
-@pytest.mark.parametrize("preset,label,fmt", FORMATS)
+@pytest.mark.parametrize("preset,label,fmt", FORMATS + ACT_FORMATS)
 def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path, preset, label, fmt):
     lm = load_model(str(tiny_llama_dir), "fp32")
     report = quantize_model(lm, preset, progress=False)
@@ -207,7 +251,7 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
     assert torch.equal(Decoder(lm, 32).forward(IDS), Decoder(loaded, 32).forward(IDS))
     for name, layer in loaded.model.named_modules():
         if isinstance(layer, QuantizedLinear):
-            assert layer.kernel_name == "simulated" and layer.spec == layers[name].spec
+            assert layer.kernel_name == "simulated" and (layer.spec, layer.act) == (layers[name].spec, layers[name].act)
             for a, b in zip(layer.export(), layers[name].export()):
                 assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
@@ -216,7 +260,7 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
 
 # ---- vLLM and the CLI ----
 
-@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("preset", PRESET_NAMES + [f[0] for f in ACT_FORMATS] + ["w8ch-sym_amxfp8g32-dyn"])
 def test_vllm_refuses_in_one_line(preset):
     with pytest.raises(UserError, match="no CPU kernel for MXFP4 / NVFP4 / MXFP8.*--backend native") as err:
         vllm_support(preset)
