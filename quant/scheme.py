@@ -1,16 +1,16 @@
 """Quantization schemes: a registry of named presets plus a compact explicit label that parses back.
 
 Label grammar (every table uses it):
-``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t>-<dyn|static>][@ignore=a,b][+pad]``
+``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t|g<N>>-<dyn|static>][@ignore=a,b][+pad]``
 with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns), and the
 number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs),
 ``mxfp`` / ``nvfp`` for the microscaling formats (``mxfp4`` = E2M1 and ``mxfp8`` = E4M3 codes in groups of 32
 with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales times one fp32 global scale
 per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``wmxfp4g32-sym``,
-``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``.
+``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``.
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
-``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ...); ``FP8A16`` (FP8 weights only) is ours:
-compressed-tensors has no such preset.
+``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
+only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
 
@@ -218,8 +218,10 @@ register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float
 register_preset("MXFP4A16", QuantScheme(WeightSpec(4, True, "group", 32, type="mxfp")))
 register_preset("NVFP4A16", QuantScheme(WeightSpec(4, True, "group", 16, type="nvfp")))
 register_preset("MXFP8A16", QuantScheme(WeightSpec(8, True, "group", 32, type="mxfp")))
-register_preset("MXFP4", QuantScheme(PRESETS["MXFP4A16"].weights, ActSpec(4, "group", True, type="mxfp", group_size=32)))
-register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights, ActSpec(8, "group", True, type="mxfp", group_size=32)))
+register_preset("MXFP4", QuantScheme(PRESETS["MXFP4A16"].weights,
+                                     ActSpec(4, "group", True, type="mxfp", group_size=32)))
+register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights,
+                                     ActSpec(8, "group", True, type="mxfp", group_size=32)))
 
 _LABEL = re.compile(
     r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"

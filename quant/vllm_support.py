@@ -20,7 +20,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
-| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling weights or activations) | no (no CPU kernel; native backend, simulated) |
+| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Microscaling formats (MXFP4, NVFP4, MXFP8; MXFP4 / MXFP8 activations): grammar and presets against
-compressed-tensors' own, the math against its functions, the simulated runtime, the packed exports decompressed by
-compressed-tensors, vLLM's refusal and the CLI. Each correctness check is run once on a broken version too (negative control)."""
+compressed-tensors' own, the math against its functions, the simulated runtime, the packed exports decompressed
+by compressed-tensors, vLLM's refusal and the CLI. Each correctness check is run once on a broken version too
+(negative control)."""
 import json
 
 import pytest
