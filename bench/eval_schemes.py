@@ -2,8 +2,11 @@
 
 The flips column is the point: two configurations with the same accuracy can disagree with the reference
 on many items. Every run goes through ``evals.harness.evaluate`` (cached under $QUANTSPEC_HOME/eval-cache).
+``--set fp4``: the microscaling FP4 formats (MXFP4A16, NVFP4A16; simulated kernel) beside int4 g32 asym/sym and
+g16, each 4-bit row with the caveat of this model's Q4_1-dequantized body (bench/results/eval_fp4.json).
 
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4 --limit 100
 """
 from __future__ import annotations
 
@@ -18,21 +21,38 @@ from evals.config import Config  # noqa: E402
 from evals.harness import EvalConfig, evaluate  # noqa: E402
 from evals.record import RunRecord, write_json_atomic  # noqa: E402
 from runtime.model_store import SMOLLM2  # noqa: E402
+from quant.scheme import parse_scheme  # noqa: E402
 
 CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", "rtn:w3g32-sym", "gptq:w3g32-sym")
+FP4_CONFIGS = ("rtn:w4g32-asym", "rtn:w4g32-sym", "rtn:w4g16-sym", "rtn:MXFP4A16", "rtn:NVFP4A16")
+SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json")}
+Q4_1_ASYM = ("this body is Q4_1-dequantized (4-bit g32 grid with a float offset per block): int4-g32-asym's integer "
+             "zero point cannot express that offset, so its re-quantization is NOT near-lossless")
+Q4_1_OTHER = "re-quantizes Q4_1-dequantized 4-bit weights: need not transfer to natively trained checkpoints"
+
+
+def caveat(scheme: str) -> str:
+    """The Q4_1-origin caveat beside a 4-bit row of the default model ('' for other bit widths)."""
+    weights = parse_scheme(scheme).weights
+    if weights.bits != 4:
+        return ""
+    return Q4_1_ASYM if (weights.type, weights.symmetric, weights.group_size) == ("int", False, 32) else Q4_1_OTHER
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="method:scheme,...")
+    ap.add_argument("--set", default="schemes", choices=tuple(SETS), help="configurations (and output) by name")
+    ap.add_argument("--configs", default=None, help="method:scheme,... (default: those of --set)")
     ap.add_argument("--tasks", default="arc_easy,piqa")
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--floor", default="0.95")
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--fidelity-windows", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench/results/eval_schemes.json")
+    ap.add_argument("--out", default=None, help="default: the --set's file in bench/results")
     args = ap.parse_args()
+    configs, out = SETS[args.set]
+    args.configs, args.out = args.configs or ",".join(configs), args.out or out
     import torch
 
     torch.set_num_threads(args.threads)
@@ -52,7 +72,8 @@ def main() -> None:
                          "stderr": report.tasks[task].value("acc")[1],
                          "kl_mean": report.fidelity.mean_kl, "kl_p99": report.fidelity.p99_kl,
                          "top1_agreement": report.fidelity.top1_agreement, "ppl": report.fidelity.ppl_test,
-                         "ppl_ref": report.fidelity.ppl_ref, "verdict": report.verdict})
+                         "ppl_ref": report.fidelity.ppl_ref, "verdict": report.verdict,
+                         "kernels": report.record.hardware.get("kernels", {}), "caveat": caveat(scheme)})
         console.print(f"{item}: {report.verdict}", highlight=False)
     table = Table(title=f"default model fp32 reference, first {args.limit} docs, floor {args.floor}x reference "
                         f"(paired bootstrap 95%)")

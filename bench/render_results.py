@@ -465,7 +465,9 @@ def render_eval_agreement(d: dict) -> str:
        "reference; the verdict is the lower end of the paired-bootstrap interval of the margin "
        "(see docs/methodology.md), so a small item count cannot certify a floor even when the point estimate "
        "is above the reference.")
-def render_eval_schemes(d: dict) -> str:
+def render_eval_schemes(d: dict, extra: dict[str, Callable[[dict], Any]] | None = None) -> str:
+    """One row per (configuration, task); ``extra``: more columns (header -> cell of a row)."""
+    extra = extra or {}
     rows = []
     for x in d["results"]["rows"]:
         lo, hi = x["delta_ci"]
@@ -474,10 +476,20 @@ def render_eval_schemes(d: dict) -> str:
                      f"{pct(x['delta'])} [{pct(lo)}, {pct(hi)}]", f"{f['total']} (-{f['lost']}/+{f['gained']})",
                      f"{num(x['kl_mean'], 3)} / {num(x['kl_p99'], 2)}", pct(x["top1_agreement"]),
                      f"{num(x['ppl'])} (ref {num(x['ppl_ref'])})", f"{pct(x['margin_ci'][0])}",
-                     "pass" if x["passed"] else "fail", x["verdict"]])
+                     "pass" if x["passed"] else "fail", x["verdict"], *(fn(x) for fn in extra.values())])
     return table(["method:scheme", "task", "items", "acc %", "ref %", "Δ pts [CI]", "flips (-lost/+gained)",
                   "KL mean / p99", "top-1 agree %", "PPL", "margin lower bound (pts)", "task verdict",
-                  "config verdict (all tasks)"], rows)
+                  "config verdict (all tasks)", *extra], rows)
+
+
+@bench("eval_fp4.json", "FP4 microscaling vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4",
+       "MXFP4A16 (E2M1 in g32 blocks, E8M0 power-of-two scales) and NVFP4A16 (E2M1 in g16 blocks, E4M3 scales "
+       "under an fp32 global scale) beside int4 g32 asymmetric / symmetric and g16 symmetric, RTN, on the default "
+       "model. The FP4 rows run the `simulated` kernel (dequantized weights, plain matmul): their quality is real, "
+       "no speed is claimed. Read the caveat beside the 4-bit rows: this model's body weights were Q4_1-dequantized.")
+def render_eval_fp4(d: dict) -> str:
+    return render_eval_schemes(d, {"kernel": lambda x: kernels_text(x.get("kernels")),
+                                   "caveat": lambda x: x.get("caveat") or "–"})
 
 
 @bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",

@@ -486,11 +486,15 @@ def _evaluate(config: EvalConfig, lm_factory: Callable | None) -> EvalReport:
 def _record(config, path, model_hash, tests, comparison, fidelity, verdict, notes) -> RunRecord:
     point = config.config
     scheme = point.scheme_label if point.quantized_weights else "dense"
+    # the kernels each quantized layer kind ran (``simulated`` ...), when this call built the model to score it
+    native = getattr(LM_FACTORIES.get(point.backend), "scores_native_build", False)
+    scored = native and point.quantized_weights and any(not r.cached for r in tests.values())
+    model = _built(point, config.progress).lm.model if scored else None
     return RunRecord(
         name=f"eval {Path(path).name} {scheme} kv={'dense' if point.kv == NONE else point.kv} {point.backend}",
         model=ModelCondition(str(point.model), model_hash, point.dtype, scheme=point.scheme_label,
                              note="; ".join(notes)),
-        hardware=hardware_info(),
+        hardware=hardware_info(model),
         lengths=LengthDistribution(sum(r.n for r in tests.values()), {"tasks": list(config.tasks)},
                                    {"scored": "loglikelihood of choices (no generation)"},
                                    source=f"lm-eval tasks, limit={config.limit}, fewshot={config.fewshot}",

@@ -1,4 +1,5 @@
-"""Activation quantization: range observers (registry by name) and int8 / fp8 activation quantizers.
+"""Activation quantization: range observers (registry by name) and int8 / fp8 activation quantizers (the
+microscaling formats' dynamic group quantizer is compressed-tensors' own, in ``quant.microscale``).
 
 Observers watch a stream of rows ``x [n, k]`` and return a clipping range (an absolute max) per column ``[k]``
 (``k = 1`` for per-tensor scales): ``minmax`` (running max |x|), ``percentile`` (a high quantile of |x|),
@@ -170,6 +171,11 @@ def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tenso
 
 
 def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
+    """Quantize-dequantize ``x`` per ``spec`` in its dtype (microscaling formats: compressed-tensors' own)."""
+    if spec.number.microscaled:
+        import quant.microscale  # loads compressed-tensors (seconds): only for these formats
+
+        return quant.microscale.fake_quantize_activation(x, spec)
     q, scale = quantize_activation(x, spec, input_scale)
     return (q.float() * scale).to(x.dtype)
 

@@ -2,10 +2,13 @@
 
 ``save_compressed`` writes ``config.json`` with a ``quantization_config`` (one config group targeting
 ``Linear``, the ignore list, ``format`` = ``pack-quantized`` for weight-only int4 / ``int-quantized`` for W8A8 /
-``float-quantized`` for FP8 W8A8 / ``naive-quantized`` for FP8 weight-only, ...), safetensors weights named
+``float-quantized`` for FP8 W8A8 / ``naive-quantized`` for FP8 weight-only / ``mxfp4-pack-quantized``,
+``nvfp4-pack-quantized`` and ``mxfp8-quantized`` for the microscaling formats, ...), safetensors weights named
 ``model.layers.N....weight_packed | weight_scale | weight_zero_point | weight_shape`` (or int8 / float8_e4m3fn
-``weight`` for the other formats), the tokenizer and the generation config. Packing is done by
-compressed-tensors' own compressors. The directory appears atomically (temp dir + rename).
+``weight`` for the other formats; E8M0 ``weight_scale`` as uint8 exponents for MX, E4M3 ``weight_scale`` and fp32
+``weight_global_scale`` for NVFP4), the tokenizer and the generation config. Packing is done by
+compressed-tensors' own compressors (the format is the one it infers for the scheme). The directory appears
+atomically (temp dir + rename).
 
 ``load_quantized`` (called by ``runtime.loading.load_model``) rebuilds the native model with real kernels;
 a save/load round trip is bit-exact because checkpoints hold exactly what each kernel exports.
@@ -21,6 +24,7 @@ import torch
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.compressors.model_compressors import ModelCompressor
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from safetensors.torch import save_file
@@ -28,6 +32,7 @@ from torch import nn
 
 from runtime.errors import UserError
 from runtime.loading import build_model, load_state_dict
+from quant.microscale import ct_args, loaded_scale, stored_scale
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
 from quant.scheme import NUMBER_TYPES, ActSpec, QuantScheme, WeightSpec, parse_scheme
@@ -35,6 +40,7 @@ from quant.w8a8 import set_static_input_scales
 from runtime.transformer import Transformer
 
 HF_PREFIX = "model."
+FP4_PACKED = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")  # E2M1 codes two per byte (weight_packed)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -44,29 +50,32 @@ def hf_name(name: str) -> str:
 
 def ct_scheme(scheme: QuantScheme) -> QuantizationScheme:
     """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear."""
-    w = scheme.weights
-    weights = QuantizationArgs(num_bits=w.bits, type=w.type, symmetric=w.symmetric, strategy=w.granularity,
-                               group_size=w.group_size, dynamic=False)
-    acts = None
-    if scheme.activations is not None:
-        a = scheme.activations
-        acts = QuantizationArgs(num_bits=a.bits, type=a.type, symmetric=a.symmetric, strategy=a.granularity,
-                                dynamic=a.dynamic)
-    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+    acts = ct_args(scheme.activations) if scheme.activations is not None else None
+    return QuantizationScheme(targets=["Linear"], weights=ct_args(scheme.weights), input_activations=acts)
+
+
+def _number_type(args: QuantizationArgs) -> str | None:
+    """Our number type of compressed-tensors weight args (by code type and scale dtype), or None."""
+    return next((name for name, t in NUMBER_TYPES.items()
+                 if t.ct_type == args.type and t.scale_dtype == args.scale_dtype), None)
 
 
 def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
-    """The inverse of ``ct_scheme`` for the int and FP8 formats quantspec runs; anything else is a UserError."""
+    """The inverse of ``ct_scheme`` for the int, FP8 and microscaling formats quantspec runs; anything else is a
+    UserError (in one line, from our specs' checks where the args are a format we know but do not run)."""
     w, a = group.weights, group.input_activations
-    if w is None or w.type not in NUMBER_TYPES or w.strategy not in ("tensor", "channel", "group"):
+    number = _number_type(w) if w is not None else None
+    if number is None or w.strategy not in ("tensor", "channel", "group", "tensor_group"):
         raise UserError(f"compressed-tensors scheme {group.model_dump(exclude_none=True)} is not a weight "
                         "format quantspec runs natively; load it with the vllm backend instead")
-    weights = WeightSpec(w.num_bits, w.symmetric, w.strategy, w.group_size, w.type)
+    granularity = "group" if w.strategy == "tensor_group" else w.strategy
+    weights = WeightSpec(w.num_bits, w.symmetric, granularity, w.group_size, number)
     acts = None
     if a is not None:
-        if a.type not in NUMBER_TYPES or a.strategy not in ("token", "tensor"):
+        a_number = _number_type(a)
+        if a_number is None or a.strategy not in ("token", "tensor", "group"):
             raise UserError(f"activation format {a.model_dump(exclude_none=True)} is not supported natively")
-        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a.type)
+        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a_number, a.group_size)
     return QuantScheme(weights, acts, tuple(ignore))
 
 
@@ -78,8 +87,10 @@ def _compressed_layer(layer: QuantizedLinear, qscheme: QuantizationScheme, compr
     """One layer through compressed-tensors' compressor (which re-derives the codes from ``(q - z) * s``)."""
     q, scale, zero = layer.export()
     weight = dequantize(q, scale.float(), zero, layer.spec)
-    local = {"weight": weight, "weight_scale": _ct_scale_shape(scale, layer.spec),
+    local = {"weight": weight, "weight_scale": _ct_scale_shape(stored_scale(scale, layer.global_scale), layer.spec),
              "weight_zero_point": _ct_scale_shape(zero, layer.spec)}
+    if layer.global_scale is not None:
+        local["weight_global_scale"] = layer.global_scale
     if layer.bias is not None:
         local["bias"] = layer.bias.detach()
     if getattr(layer.kernel, "input_scale", None) is not None:  # static W8A8 (quant/w8a8.py)
@@ -153,12 +164,17 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
-    """(codes [N, K] in ``spec.code_dtype``, scale, zero int8) of one layer from a compressed state dict (keys
-    without ``model.``)."""
-    scale = state.pop(f"{name}.weight_scale")
+    """(codes [N, K] in ``spec.code_dtype``, effective scale, zero int8, global scale or None) of one layer from a
+    compressed state dict (keys without ``model.``)."""
+    gscale = state.pop(f"{name}.weight_global_scale", None)
+    scale = loaded_scale(state.pop(f"{name}.weight_scale"), spec, gscale)
     if spec.granularity == "tensor":
         scale = scale.reshape(1, 1)
-    if fmt == "pack-quantized":
+    if fmt in FP4_PACKED:
+        packed = state.pop(f"{name}.weight_packed")
+        q = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, torch.float32)
+        zero = None
+    elif fmt == "pack-quantized":
         shape = torch.Size(state.pop(f"{name}.weight_shape").tolist())
         q = unpack_from_int32(state.pop(f"{name}.weight_packed"), spec.bits, shape)
         zero = state.pop(f"{name}.weight_zero_point", None)
@@ -168,7 +184,7 @@ def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
         q = state.pop(f"{name}.weight")
         zero = state.pop(f"{name}.weight_zero_point", None)
     zero = torch.zeros_like(scale, dtype=torch.int8) if zero is None else zero.reshape(scale.shape).to(torch.int8)
-    return q.to(spec.code_dtype), scale, zero
+    return q.to(spec.code_dtype), scale, zero, gscale
 
 
 def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention: str = "sdpa") -> Transformer:
@@ -179,7 +195,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
         raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear; "
                         f"this one has {list(qconfig.config_groups)}")
     scheme = scheme_from_ct(groups[0], qconfig.ignore or [])
-    if qconfig.format not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized"):
+    if qconfig.format not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized",
+                              "mxfp8-quantized", *FP4_PACKED):
         raise UserError(f"{path}: compressed-tensors format {qconfig.format!r} is not supported natively")
     state = load_state_dict(Path(path))
     qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]
@@ -189,9 +206,9 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
 
     # dense parts first: the quantized layers' scales keep the dtype they were saved in
     model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path), attention=attention)
-    for name, (q, scale, zero) in layers.items():
+    for name, (q, scale, zero, gscale) in layers.items():
         model.set_submodule(name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
-                                                   scheme.activations, dtype))
+                                                   scheme.activations, dtype, global_scale=gscale))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
     return model.eval()

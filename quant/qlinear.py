@@ -9,8 +9,9 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
   weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
 * ``int4pack-cuda`` / ``int8-dequant-cuda`` -- the same two formats on a GPU (torch's CUDA tinygemm; int8
   codes widened inside the product), chosen only where a small product on that GPU ran and was right.
-* ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, FP8 weight-only, activation
-  quantization without a registered kernel): dequantized weight + plain matmul. Its speed is *not* a real
+* ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, FP8 weight-only, the microscaling
+  formats MXFP4 / NVFP4 / MXFP8, activation quantization without a registered kernel): dequantized weight +
+  plain matmul. Its speed is *not* a real
   low-bit speed and every report labels it ``simulated``.
 
 W8A8 kernels live in ``quant.w8a8`` (int8) and ``quant.fp8`` (FP8 E4M3). A kernel reads the number types it
@@ -257,7 +258,11 @@ class Int8DequantCudaKernel(CudaKernel, Int8PackKernel):
 class SimulatedKernel(Kernel):
     """Any format: dequantized weight in the model dtype + plain matmul (activations fake-quantized if asked)."""
 
-    name, simulated, priority, types = "simulated", True, -1, ("int", "float")
+    name, simulated, priority = "simulated", True, -1
+
+    @classmethod
+    def reads(cls, spec, act):
+        return True
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -292,13 +297,16 @@ class QuantizedLinear(nn.Module):
     """Drop-in ``nn.Linear`` replacement: ``y = kernel(x) + bias``.
 
     With a padded scheme the codes are wider than ``in_features`` (zero columns appended up to a multiple of
-    the group size) and the input is zero-padded to match."""
+    the group size) and the input is zero-padded to match. ``global_scale``: NVFP4's per-tensor scale, which the
+    kernel's effective group scales already include; kept for export."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec,
                  in_features: int, bias: torch.Tensor | None = None, act: ActSpec | None = None,
-                 dtype: torch.dtype = torch.float32, kernel: str | None = None):
+                 dtype: torch.dtype = torch.float32, kernel: str | None = None,
+                 global_scale: torch.Tensor | None = None):
         super().__init__()
         self.spec, self.act = spec, act
+        self.register_buffer("global_scale", None if global_scale is None else global_scale.float().reshape(1))
         self.in_features, self.out_features = in_features, q.shape[0]
         self.padded_in = q.shape[1]
         self.kernel = select_kernel(spec, act, tuple(q.shape), kernel, q.device.type)(q, scale, zero, spec, act,
@@ -310,7 +318,8 @@ class QuantizedLinear(nn.Module):
     def from_result(cls, result, spec: WeightSpec, in_features: int, bias=None, act=None,
                     dtype=torch.float32, kernel: str | None = None) -> "QuantizedLinear":
         """From a ``quant.methods.QuantResult``."""
-        return cls(result.q, result.scale, result.zero, spec, in_features, bias, act, dtype, kernel)
+        return cls(result.q, result.scale, result.zero, spec, in_features, bias, act, dtype, kernel,
+                   result.global_scale)
 
     @property
     def kernel_name(self) -> str:
@@ -355,11 +364,15 @@ class QuantizedLinear(nn.Module):
         return dequantize(q, scale.float(), zero, self.spec, dtype)[:, : self.in_features]
 
     def format_bytes(self) -> int:
-        """Bytes of the stored format: packed codes + scales (+ int8 zero points when asymmetric)."""
+        """Bytes of the stored format: packed codes + scales (+ int8 zero points when asymmetric, + the fp32
+        global scale); microscaling formats store 1-byte scales."""
         n_scales = {"tensor": 1, "channel": self.out_features}.get(
             self.spec.granularity, self.out_features * self.padded_in // (self.spec.group_size or 1))
         codes = self.out_features * self.padded_in * self.spec.bits // 8
-        return codes + n_scales * (self.kernel.scale_bytes + (0 if self.spec.symmetric else 1))
+        scale_dtype = self.spec.number.scale_dtype
+        scale_bytes = scale_dtype.itemsize if scale_dtype is not None else self.kernel.scale_bytes
+        extra = 4 if self.global_scale is not None else 0
+        return codes + n_scales * (scale_bytes + (0 if self.spec.symmetric else 1)) + extra
 
     def resident_bytes(self) -> int:
         """Bytes this layer's buffers occupy in the runtime (what decoding streams for a real kernel)."""

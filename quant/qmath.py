@@ -4,7 +4,8 @@
 ``[-2^(b-1), 2^(b-1)-1]``; symmetric: ``scale = absmax / ((qmax - qmin) / 2)``, zero 0; asymmetric:
 ``scale = (max - min) / (qmax - qmin)``, ``zero = round(qmin - min / scale)``; the range always includes 0.
 FP8 (E4M3, symmetric) is the same with the range ``[-448, 448]`` (``scale = absmax / 448``) and the rounding done
-by the cast to ``float8_e4m3fn`` (nearest, ties to even), as compressed-tensors does.
+by the cast to ``float8_e4m3fn`` (nearest, ties to even), as compressed-tensors does. The microscaling formats
+(MXFP4, MXFP8, NVFP4) take their scales and codes from compressed-tensors itself (``quant.microscale``).
 Scales/zeros have shape [out, n_groups] (per-group), [out, 1] (per-channel) or [1, 1] (per-tensor).
 """
 from __future__ import annotations
@@ -51,15 +52,34 @@ def qparams_from_range(min_vals: torch.Tensor, max_vals: torch.Tensor, spec: Wei
     return scale, zero
 
 
+def _microscale():
+    """``quant.microscale``, imported on first use: it loads compressed-tensors (seconds), which only the
+    microscaling formats need."""
+    import quant.microscale
+
+    return quant.microscale
+
+
+def global_scale(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor | None:
+    """The per-tensor scale above the group scales of formats that have one (NVFP4), else None."""
+    return _microscale().global_scale(w) if spec.number.global_scale else None
+
+
 def compute_qparams(w: torch.Tensor, spec: WeightSpec, clip_ratio: float | torch.Tensor = 1.0):
     """Min/max scale and zero for ``w`` [out, in]; ``clip_ratio`` shrinks the range (MSE clipping)."""
     check_finite(w)
     g = group_view(w.float(), spec)
-    return qparams_from_range(g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio, spec)
+    g_min, g_max = g.amin(-1) * clip_ratio, g.amax(-1) * clip_ratio
+    if spec.number.microscaled:
+        return _microscale().qparams(g_min, g_max, spec, global_scale(w, spec))
+    return qparams_from_range(g_min, g_max, spec)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Codes (``spec.code_dtype``: int8 storage for integers, float8_e4m3fn for fp8) with the shape of ``w``."""
+    """Codes (``spec.code_dtype``: int8 storage for integers, float8_e4m3fn for fp8 and fp4) with the shape of
+    ``w``."""
+    if spec.number.microscaled:
+        return _microscale().quantize(w, scale, spec)
     g = group_view(w.float(), spec)
     q = torch.clamp(spec.number.round(g / scale[..., None], spec.bits) + zero[..., None], spec.qmin, spec.qmax)
     return q.reshape(w.shape).to(spec.code_dtype)

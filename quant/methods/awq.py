@@ -41,7 +41,7 @@ def search_scale(group: FoldGroup, stats: LayerStats, spec: WeightSpec, n_grid: 
 
 @register_method
 class AWQ(WeightMethod):
-    name, types = "awq", ("int", "float")
+    name, types = "awq", ("int", "float", "mxfp", "nvfp")
     needs = ("abs_mean", "samples")
 
     def __init__(self, n_grid: int = 20):

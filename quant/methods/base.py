@@ -63,12 +63,14 @@ class LayerStats:
 
 @dataclass
 class QuantResult:
-    """Codes [out, in] (int8 storage), scale/zero per ``qmath`` layout, and method diagnostics."""
+    """Codes [out, in] (``spec.code_dtype``), scale/zero per ``qmath`` layout, the per-tensor global scale of
+    formats that have one (NVFP4, ``qmath.global_scale``), and method diagnostics."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     info: dict = field(default_factory=dict)
+    global_scale: torch.Tensor | None = None
 
 
 class WeightMethod:

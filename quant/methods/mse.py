@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from quant.methods.base import QuantResult, WeightMethod, register_method
-from quant.qmath import compute_qparams, dequantize, group_view, quantize
+from quant.qmath import compute_qparams, dequantize, global_scale, group_view, quantize
 from quant.scheme import WeightSpec
 
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.0 ... 0.5
@@ -57,7 +57,8 @@ def clip_search(weight: torch.Tensor, spec: WeightSpec, error: GroupError | None
         best_q = torch.where(_expand(better, q, spec), q, best_q)
         best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
         best_ratio = torch.where(better, ratio, best_ratio)
-    return QuantResult(best_q, best_scale, best_zero, info={"mean_clip_ratio": float(best_ratio.mean())})
+    return QuantResult(best_q, best_scale, best_zero, info={"mean_clip_ratio": float(best_ratio.mean())},
+                       global_scale=global_scale(w, spec))
 
 
 def _expand(mask: torch.Tensor, q: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _expand(mask: torch.Tensor, q: torch.Tensor, spec: WeightSpec) -> torch.Tens
 
 @register_method
 class MSE(WeightMethod):
-    name, types = "mse", ("int", "float")
+    name, types = "mse", ("int", "float", "mxfp", "nvfp")
 
     def quantize_weight(self, weight, spec, stats=None):
         return clip_search(weight, spec)

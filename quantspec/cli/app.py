@@ -16,7 +16,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                        "modules that register methods, proposers, backends.")
 
 
-SCHEME_HELP = f"Preset ({', '.join(SCHEME_PRESETS)}) or label (w4g32-asym, wfp8ch-sym_afp8tok-dyn)."
+SCHEME_HELP = f"Preset ({', '.join(SCHEME_PRESETS)}) or label (w4g32-asym, wfp8ch-sym_afp8tok-dyn, wnvfp4g16-sym)."
 
 
 def flag(*names: str, help: str) -> typer.models.OptionInfo:
