@@ -133,6 +133,8 @@ class RealEvaluator:
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
         self.floor, self.threads, self.compile = floor, threads, compile
+        if length_tokens < 1:
+            raise UserError(f"--length-tokens must be >= 1, got {length_tokens}")
         self.length_tokens = length_tokens
         self.protocol = protocol or SpeedProtocol()
         self.reference: Config | None = None

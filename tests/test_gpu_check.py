@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# one xdist worker runs the whole module: its module fixture runs the check (~20 s) once, not once per worker
+pytestmark = pytest.mark.xdist_group("gpu_check")
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("vllm", "lm_eval", "optuna", "compressed_tensors", "datasets", "gguf")
 # Every import finder answers "not installed" for the blocked packages (as on the GPU machine: find_spec gives

@@ -34,6 +34,7 @@ def cli_error(capsys, *args) -> str:
     (["--heartbeat", "5", "--grace", "5"], "--heartbeat < --grace"),
     (["--length-band", "1.2,0.8"], "--length-band needs 0 < LO <= 1 <= HI"),
     (["--length-band", "wide"], "--length-band 'wide'"),
+    (["--length-tokens", "0"], "--length-tokens must be >= 1"),
 ])
 def test_search_bad_input(tmp_path, capsys, args, needle):
     assert needle in cli_error(capsys, "search", "--study-dir", str(tmp_path), *args)

@@ -27,7 +27,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
                               study_dir=tmp_path, sampler="random", exact_fraction=1.0)
     spec = Config(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
     open_study(settings).enqueue_trial(SearchSpace.params_of(spec))
-    evaluator = get_evaluator("real", limit=12, num_prompts=1, output_len=24, fidelity_windows=1,
+    evaluator = get_evaluator("real", limit=12, num_prompts=1, output_len=24, fidelity_windows=1, length_tokens=48,
                               protocol=FEW_ROUNDS)
     study = run_search(settings, evaluator).study
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
@@ -76,7 +76,7 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
 
     sqlite_url, log = f"sqlite:///{tmp_path}/one.db", tmp_path / "measured.jsonl"
     demo = ("--evaluator", "real", "--space", "demo", "--floor", "0.9", "--limit", "20", "--num-prompts", "1",
-            "--output-len", "16", "--threads", "1", "--n-trials", "4", "--noise-threshold", str(FEW_ROUNDS.threshold))
+            "--output-len", "16", "--length-tokens", "32", "--threads", "1", "--n-trials", "4", "--noise-threshold", str(FEW_ROUNDS.threshold))
     env = {"HF_HUB_OFFLINE": "1"}
     hang_guard_s = 1200  # not a speed target: on a 2-core AVX2-only CPU (bf16 emulated) one worker took 570 s
     # the single SQLite worker runs beside the two PostgreSQL workers (run first, it left a core idle)

@@ -68,6 +68,8 @@ def search(
     limit: int = typer.Option(None, "--limit", "-L", help="Eval items per task (default 200)."),
     prompts: int = typer.Option(4, "--num-prompts", "-n", help="Spec-Bench prompts per speed run (batch 1, greedy)."),
     new_tokens: int = typer.Option(64, "--output-len", help="Fixed output length per speed-run prompt (ignore_eos)."),
+    length_tokens: int = typer.Option(256, "--length-tokens", help="Output-length gate: the speed prompts are "
+                                      "generated again up to this many tokens, stopping at the end of turn."),
     threads: int = typer.Option(None, help="torch threads for speed and quality runs (default: chosen per engine "
                                            "by a short timed probe of the candidates; recorded)."),
     noise_threshold: float = typer.Option(0.10, "--noise-threshold", help="Speed is measured paired with the "
@@ -90,7 +92,7 @@ def search(
         create=create, resume=resume, exact_fraction=exact_fraction, timeout_s=timeout, heartbeat_s=heartbeat,
         grace_s=grace, length_band=length_band)
     trial_evaluator = quantspec.get_evaluator(evaluator, data_dir=data_dir, limit=limit, tasks=tasks, num_prompts=prompts,
-                                    output_len=new_tokens, threads=threads, compile=compile,
+                                    output_len=new_tokens, length_tokens=length_tokens, threads=threads, compile=compile,
                                     protocol=quantspec.SpeedProtocol(threshold=noise_threshold))
     outcome = search_with_progress(settings, trial_evaluator)
     if outcome.recovered:
