@@ -65,9 +65,10 @@ def test_server_open_loop_then_crash_mid_run(default_model_dir):
         if server.alive():
             os.killpg(group, signal.SIGKILL)
 
-    # arrivals ~1 s apart, so when the first reply lands the later requests are still generating (at 8 req/s a
-    # loaded server admitted all four in one step and finished them together, before the kill)
-    crashed = run_benchmark(backend.config, "short-long", LoadSpec.open(1.0), backend=backend, num_prompts=4,
+    # planned sends at 0, 4.08, 4.16 and 4.17 s (seed 0): the first request finishes alone and the kill lands
+    # before the other three are sent. At 1 req/s (sends at 0 and ~1.03 s) a loaded server delayed the first
+    # request's prefill, batched all four, finished them in one step, and the kill came after the run.
+    crashed = run_benchmark(backend.config, "short-long", LoadSpec.open(0.25), backend=backend, num_prompts=4,
                             output_len=48, progress=kill_on_first_reply)
     assert crashed.failed and "died mid-run" in crashed.summary["error"]
     assert crashed.summary["log_tail"]  # the server's last log lines travel with the failed record
