@@ -4,10 +4,6 @@ import json
 import sys
 
 PROMPT = "What is the capital of France?"
-# in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): an engine starts in ~4 s instead of ~21 s here; the
-# engine-core process itself is exercised by the tests that start `vllm serve` and the closed-loop backend
-ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def answer_all(dirs: dict[str, str]) -> dict[str, str]:

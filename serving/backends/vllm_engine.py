@@ -129,6 +129,18 @@ def counters_from_metrics(metrics) -> SpecCounters:
     return out
 
 
+def _engine_process(proc) -> bool:
+    """Whether a child that appeared while the engine started is the engine's: not multiprocessing's resource
+    tracker (alive as long as this process, so waiting for it at close cost 15 s and a kill), nor one gone already
+    (its command line can no longer be read)."""
+    import psutil
+
+    try:
+        return "multiprocessing.resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def process_tree_peak_rss(pids: list[int]) -> int:
     """Sum of VmHWM (peak RSS) over ``pids`` and all their descendants."""
     import psutil
@@ -214,9 +226,9 @@ class VllmBackend(Backend):
             except Exception as exc:  # engine start failure: one line, no traceback
                 raise UserError(f"vLLM engine failed to start for {self.config.config.label}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-            finally:  # the engine's processes; not multiprocessing's resource tracker, which lives as long as we do
-                self._engine_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
-                                      and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+            finally:
+                self._engine_procs = [p for p in psutil.Process().children(recursive=True)
+                                      if p.pid not in before and _engine_process(p)]
         return self._llm
 
     @property
