@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.backends import open_backend
-from serving.backends.base import Backend, EngineFailure, Progress, Request, RequestResult, ServingConfig
+from serving.backends.base import Backend, EngineFailure, ServingConfig
+from serving.requests import Progress, Request, RequestResult
 from serving.loadgen import LoadSpec, arrival_offsets
 from evals.record import (EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord,
                           hardware_info)

@@ -9,7 +9,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from serving.backends.base import Progress, Request, RequestResult, now
+from serving.requests import Progress, Request, RequestResult, now
 from evals.record import ArrivalProcess
 from runtime.errors import UserError
 

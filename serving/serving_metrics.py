@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from serving.backends.base import RequestResult, SpecCounters
+from serving.requests import RequestResult, SpecCounters
 from runtime.errors import UserError
 from specdec.metrics import AcceptanceStats
 

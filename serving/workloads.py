@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from serving.backends.base import Request
+from serving.requests import Request
 from runtime.data import find_data_dir, load_prompts
 from runtime.errors import UserError
 from runtime.registry import Registry

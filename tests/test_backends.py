@@ -7,7 +7,8 @@ import pytest
 
 from conftest import bf16_speculation_refusal
 from serving.backends import BACKENDS, open_backend
-from serving.backends.base import Request, ServingConfig
+from serving.backends.base import ServingConfig
+from serving.requests import Request
 from serving.bench_api import run_benchmark
 from evals.config import Config
 from serving.loadgen import LoadSpec

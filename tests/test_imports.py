@@ -86,6 +86,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def parents(module: str) -> list[str]:
+    """The packages whose ``__init__`` runs before ``module``: ``a.b.c`` -> ``a``, ``a.b``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def violations(root: Path, packages=LAYERS, front_doors=FRONT_DOORS) -> list[str]:
     """Every broken rule, one line each."""
     mods = modules(root, packages)
@@ -93,7 +99,9 @@ def violations(root: Path, packages=LAYERS, front_doors=FRONT_DOORS) -> list[str
     edges, out = {}, []
     for name, tree in mods.items():
         targets = imports(tree, mods)
-        edges[name] = {t for t, _ in targets if t != name and not name.startswith(t + ".")}
+        # importing a.b.c first runs a/__init__ and a/b/__init__ (what those import is part of the loop)
+        loaded = {t for t, _ in targets} | {p for t, _ in targets for p in parents(t) if p in mods}
+        edges[name] = {t for t in loaded if t != name and not name.startswith(t + ".")}
         for target, deferred in targets:
             if rank[target.split(".")[0]] > rank[name.split(".")[0]]:
                 out.append(f"{name} imports {target}, a layer above it")
@@ -163,6 +171,17 @@ def test_negative_control_each_rule_catches_its_breach(tmp_path):
     assert not any("low.heavy" in line for line in found)  # deferring a vLLM importer is allowed
     assert "high.door.cmd imports low.b: high.door goes through high only" in found  # the front door's rule
     assert len(found) == 4
+
+
+def test_negative_control_a_loop_through_a_package_init_is_a_cycle(tmp_path):
+    """``low.gen`` imports ``low.pkg.base`` (a leaf), but that runs ``low/pkg/__init__`` first, which imports
+    ``low.pkg.engine``, which imports ``low.gen``: importing ``low.gen`` first fails (serving.loadgen did)."""
+    write(tmp_path, {"low/__init__.py": "", "low/pkg/__init__.py": "from low.pkg import engine\n",
+                     "low/pkg/base.py": "x = 1\n", "low/pkg/engine.py": "from low.gen import y\n",
+                     "low/gen.py": "from low.pkg.base import x\ny = x\n"})
+    assert violations(tmp_path, ("low",), {}) == ["import cycle: low.gen -> low.pkg -> low.pkg.engine"]
+    (tmp_path / "low/gen.py").write_text("y = 1\n")  # the leaf moved out of the package: no loop
+    assert violations(tmp_path, ("low",), {}) == []
 
 
 def test_negative_control_backend_rules_catch_their_breaches(tmp_path):

@@ -4,7 +4,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from serving.backends.base import Request, RequestResult, SpecCounters
+from serving.requests import Request, RequestResult, SpecCounters
 from specdec.proposers.base import ProposerSpec, parse_proposer_spec
 from serving.loadgen import LoadSpec, arrival_offsets, closed_loop_async, open_loop_async
 from serving.serving_metrics import SLO, spec_summary, summarize

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.backends.base import RequestResult, SpecCounters
+from serving.requests import RequestResult, SpecCounters
 from serving.bench_api import BenchResult
 from evals.record import ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition, RunRecord
 from serving.serving_metrics import SLO, spec_summary, summarize

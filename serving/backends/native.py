@@ -14,8 +14,8 @@ import torch
 
 from dataclasses import replace
 
-from serving.backends.base import (Backend, Progress, Request, RequestResult, ServingConfig, SpecCounters,
-                                   check_fits, now, register_backend)
+from serving.backends.base import Backend, ServingConfig, register_backend
+from serving.requests import Progress, Request, RequestResult, SpecCounters, check_fits, now
 from evals.build import build_native
 from evals.config import Config
 from runtime.compiled import resolve_compile

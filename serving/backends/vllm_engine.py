@@ -19,8 +19,8 @@ from pathlib import Path
 
 from evals.build import as_checkpoint, exported_checkpoint
 from evals.config import Config
-from serving.backends.base import (Backend, EngineFailure, Progress, QualityPlan, Request, RequestResult,
-                                   ServingConfig, SpecCounters, check_fits, now, register_backend)
+from serving.backends.base import Backend, EngineFailure, QualityPlan, ServingConfig, register_backend
+from serving.requests import Progress, Request, RequestResult, SpecCounters, check_fits, now
 from serving.backends.vllm_server import PER_POS_METRIC, SPEC_METRICS, VllmServer
 from runtime.errors import UserError
 from specdec.proposers.eagle import parse_eagle

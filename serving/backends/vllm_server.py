@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving.backends.base import EngineFailure, Progress, Request, RequestResult, SpecCounters, now
+from serving.backends.base import EngineFailure
+from serving.requests import Progress, Request, RequestResult, SpecCounters, now
 from serving.loadgen import open_loop_async
 from runtime.errors import UserError
 
