@@ -229,4 +229,4 @@ def parse_activations(text: str):
     try:
         return parse_scheme(f"w8ch-sym_{text}").activations
     except UserError:
-        raise UserError(f"unknown activation scheme {text!r}: use none, a8tok-dyn, a8t-static or afp8tok-dyn") from None
+        raise UserError(f"unknown activation scheme {text!r}: use none, a8tok-dyn, a8t-static, afp8tok-dyn or afp8t-static") from None

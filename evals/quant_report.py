@@ -13,7 +13,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from quant.calibration import CalibConfig
 from quant.methods import get_method
-from quant.quantize import plan_layers, quantize_model
+from quant.quantize import plan_layers, quantize_model, quantize_w8a8
 from quant.scheme import WeightSpec, parse_scheme
 from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt
@@ -96,7 +96,11 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     ref_logits = sequence_logits(lm, seqs)
     if weight_method.needs_calibration:
         logger.info("collecting calibration statistics for %s (%s)", method, (calib or CalibConfig()).label)
-    report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if weight_method.needs_calibration else None)
+    if parsed.activations is not None and not parsed.activations.dynamic:  # calibrated input scales (mse observer)
+        report = quantize_w8a8(lm, parsed, method, calib)
+    else:
+        needs = weight_method.needs_calibration
+        report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if needs else None)
     logger.info("fidelity of the quantized model")
     fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))
     caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""

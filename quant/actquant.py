@@ -3,7 +3,7 @@ microscaling formats' dynamic group quantizer is compressed-tensors' own, in ``q
 
 Observers watch a stream of rows ``x [n, k]`` and return a clipping range (an absolute max) per column ``[k]``
 (``k = 1`` for per-tensor scales): ``minmax`` (running max |x|), ``percentile`` (a high quantile of |x|),
-``mse`` (the clipped range minimising the quantization error on an int grid). Static per-tensor input
+``mse`` (the clipped range minimising the quantization error on the codes' grid: int8, or E4M3 for fp8). Static per-tensor input
 scales of Linear layers and static KV-cache scales (quant/kvcache.py) both come from them.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from runtime.errors import UserError
 from runtime.registry import Registry
 from quant.scheme import ActSpec
 
-INT8_MAX = 127
+STATIC_INT8 = ActSpec(8, "tensor", False)
 MAX_SAMPLES = 1 << 20  # values kept by sampling observers (random subsample beyond)
 
 
@@ -34,7 +34,8 @@ class Observer:
 
     name = ""
 
-    def __init__(self):
+    def __init__(self, act: ActSpec = STATIC_INT8):
+        self.act = act  # the codes the range is for (only ``mse`` looks at them)
         self.n_seen = 0
 
     def observe(self, x: torch.Tensor) -> None:
@@ -60,8 +61,8 @@ class Observer:
 class SamplingObserver(Observer):
     """Keeps a random subsample of at most ``MAX_SAMPLES`` values (rows of |x|)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, act: ActSpec = STATIC_INT8):
+        super().__init__(act)
         self.samples: list[torch.Tensor] = []
         self.gen = torch.Generator().manual_seed(0)
 
@@ -91,8 +92,8 @@ def make_observer(name: str, **kwargs) -> Observer:
 class MinMaxObserver(Observer):
     name = "minmax"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, act: ActSpec = STATIC_INT8):
+        super().__init__(act)
         self.absmax: torch.Tensor | None = None
 
     def _observe(self, absx):
@@ -107,8 +108,8 @@ class MinMaxObserver(Observer):
 class PercentileObserver(SamplingObserver):
     name = "percentile"
 
-    def __init__(self, percentile: float = 99.99):
-        super().__init__()
+    def __init__(self, act: ActSpec = STATIC_INT8, percentile: float = 99.99):
+        super().__init__(act)
         if not 0 < percentile <= 100:
             raise UserError(f"percentile must be in (0, 100], got {percentile}")
         self.q = percentile / 100
@@ -119,13 +120,13 @@ class PercentileObserver(SamplingObserver):
 
 @register_observer
 class MSEObserver(SamplingObserver):
-    """Searches ``ratio * absmax`` over a grid of ratios for the smallest symmetric int<bits> error."""
+    """Searches ``ratio * absmax`` over a grid of ratios for the smallest error of the symmetric codes ``act``
+    (int8 rounding, or the E4M3 cast for fp8)."""
 
     name = "mse"
 
-    def __init__(self, bits: int = 8, grid: int = 50, min_ratio: float = 0.3):
-        super().__init__()
-        self.qmax = 2 ** (bits - 1) - 1
+    def __init__(self, act: ActSpec = STATIC_INT8, grid: int = 50, min_ratio: float = 0.3):
+        super().__init__(act)
         self.ratios = torch.linspace(1.0, min_ratio, grid)
 
     def _range(self):
@@ -134,8 +135,8 @@ class MSEObserver(SamplingObserver):
         best, best_err = absmax.clone(), torch.full_like(absmax, float("inf"))
         for r in self.ratios:
             rng = (absmax * r).clamp_min(torch.finfo(torch.float32).tiny)
-            scale = rng / self.qmax
-            err = ((torch.clamp(torch.round(x / scale), -self.qmax, self.qmax) * scale - x) ** 2).sum(0)
+            scale = rng / self.act.qmax
+            err = ((_codes(x, scale, self.act).float() * scale - x) ** 2).sum(0)
             better = err < best_err
             best, best_err = torch.where(better, rng, best), torch.where(better, err, best_err)
         return best
@@ -180,8 +181,8 @@ def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.
     return (q.float() * scale).to(x.dtype)
 
 
-def input_scale_from_range(absmax: torch.Tensor) -> torch.Tensor:
-    return absmax.float().reshape(1) / INT8_MAX
+def input_scale_from_range(absmax: torch.Tensor, act: ActSpec = STATIC_INT8) -> torch.Tensor:
+    return absmax.float().reshape(1) / act.qmax
 
 
 @contextmanager
@@ -200,12 +201,14 @@ def watch_linear_inputs(model: nn.Module, names: list[str], observer: str = "min
 
 @torch.no_grad()  # not inference_mode: the scales become buffers of modules used outside it
 def calibrate_input_scales(model, batches: list[torch.Tensor], names: list[str], observer: str = "minmax",
-                           **kwargs) -> dict[str, torch.Tensor]:
-    """Static per-tensor int8 input scales ``range / 127`` for the named Linears, from token batches [B, T]."""
+                           act: ActSpec = STATIC_INT8, **kwargs) -> dict[str, torch.Tensor]:
+    """Static per-tensor input scales ``range / qmax`` of ``act``'s codes (int8: 127, fp8: 448) for the named
+    Linears, from token batches [B, T]."""
     if not batches:
         raise UserError("calibration needs at least one sample; give calibration text")
-    with watch_linear_inputs(model, names, observer, **kwargs) as observers:
+    with watch_linear_inputs(model, names, observer, act=act, **kwargs) as observers:
         for tokens in batches:
             model.setup_cache(tokens.shape[0], tokens.shape[1])
             model(tokens, torch.arange(tokens.shape[1]))
-    return {n: check_scale(input_scale_from_range(o.range()), f"input scale of {n}") for n, o in observers.items()}
+    return {n: check_scale(input_scale_from_range(o.range(), act), f"input scale of {n}")
+            for n, o in observers.items()}

@@ -1,4 +1,5 @@
-"""FP8 W8A8: E4M3 weights (per-channel scales) x E4M3 activations (dynamic per-token scales).
+"""FP8 W8A8: E4M3 weights (per-channel or per-tensor scales) x E4M3 activations (dynamic per-token scales, or
+one calibrated per-tensor scale: compressed-tensors' ``FP8_DYNAMIC`` and ``FP8``).
 
 ``torch._scaled_mm(a [M, K] fp8, b [K, N] fp8 column-major, scale_a [M, 1], scale_b [1, N] fp32)`` runs float8
 inputs on CPU in torch 2.13. Whether it runs and is right is probed once per process on a small product
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from quant.actquant import quantize_activation, quantize_per_token
-from quant.qlinear import Kernel, register_kernel
+from quant.qlinear import Kernel, StaticInputScale, register_kernel
 from quant.scheme import ActSpec
 from runtime.hardware import OVERRIDE_ENV, SHAPE_CLASSES, probe, ranked, shape_class
 
@@ -82,22 +83,23 @@ def fp8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
 
 
 @register_kernel
-class Fp8xFp8Kernel(Kernel):
-    """``y = (x̂ @ ŵᵀ) * s_x * s_w`` with fp32 accumulation: E4M3 weights with per-channel scales ``s_w`` [N],
-    E4M3 activations with dynamic per-token scales ``s_x`` (compressed-tensors' ``FP8_DYNAMIC``)."""
+class Fp8xFp8Kernel(StaticInputScale, Kernel):
+    """``y = (x̂ @ ŵᵀ) * s_x * s_w`` with fp32 accumulation: E4M3 weights with per-channel scales ``s_w`` [N] (or
+    one per tensor), E4M3 activations with dynamic per-token scales ``s_x`` (or one calibrated per tensor)."""
 
     name, priority, devices, types = "fp8xfp8", 20, ("cpu",), ("float",)  # its product pick is a CPU benchmark
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
-        return (act is not None and act.dynamic and act.granularity == "token" and spec.bits == act.bits == 8
-                and spec.granularity == "channel")
+        return (act is not None and act.granularity in ("token", "tensor") and spec.bits == act.bits == 8
+                and spec.granularity in ("channel", "tensor"))
 
     def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
         super().__init__()
         self.act = act
         self.register_buffer("weight", q.to(spec.code_dtype).contiguous())
-        self.register_buffer("weight_scale", scale.reshape(1, -1).float().contiguous())
+        self.register_buffer("weight_scale", scale.reshape(1, -1).float().contiguous())  # [1, N], or [1, 1]
+        self.register_buffer("input_scale", None)
         self.pick = fp8_product_pick(tuple(self.weight.shape))
         self._upcast: torch.Tensor | None = None
 
@@ -111,14 +113,15 @@ class Fp8xFp8Kernel(Kernel):
                 f"fp32 GEMM; torch._scaled_mm{why})")
 
     def product(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        if self.pick[shape_class(xq.shape[0])] == SCALED_MM:
-            return fp8_matmul(xq, x_scale, self.weight, self.weight_scale)
+        if self.pick[shape_class(xq.shape[0])] == SCALED_MM:  # its row-wise scales: [M, 1] and [1, N]
+            return fp8_matmul(xq, x_scale.expand(xq.shape[0], 1).contiguous(), self.weight,
+                              self.weight_scale.expand(1, self.weight.shape[0]).contiguous())
         if self._upcast is None:
             self._upcast = self.weight.float()
         return fp8_matmul_upcast(xq, x_scale, self._upcast, self.weight_scale)
 
     def forward(self, x):
-        xq, x_scale = quantize_activation(x, self.act)
+        xq, x_scale = quantize_activation(x, self.act, self.input_scale)
         return self.product(xq, x_scale).to(x.dtype)
 
     def export(self):

@@ -64,6 +64,7 @@ class Kernel(nn.Module):
     scale_bytes: int = 4  # bytes per exported scale (fp32 unless the kernel keeps bf16 scales)
     devices: tuple[str, ...] = ("cpu", "cuda")  # device types its ops run on
     types: tuple[str, ...] = ("int",)  # number types (quant.scheme.NUMBER_TYPES) of the weight and input codes
+    static_inputs: bool = False  # runs calibrated per-tensor input scales (``StaticInputScale``)
 
     @classmethod
     def reads(cls, spec: WeightSpec, act: ActSpec | None) -> bool:
@@ -87,6 +88,17 @@ class Kernel(nn.Module):
     def device(self) -> torch.device:
         """Where this kernel's buffers live (and its inputs must)."""
         return next(self.buffers()).device
+
+
+class StaticInputScale:
+    """A W8A8 kernel that also runs one calibrated per-tensor input scale (``input_scale`` buffer, None while
+    its activations are dynamic); ``quant.w8a8.set_static_input_scales`` switches it."""
+
+    static_inputs = True
+
+    def set_static_input_scale(self, act: ActSpec, input_scale: torch.Tensor) -> None:
+        self.act = act
+        self.register_buffer("input_scale", input_scale.float().reshape(1))
 
 
 KERNELS: Registry[type[Kernel]] = Registry("kernel")

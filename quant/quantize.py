@@ -18,7 +18,7 @@ from quant.actquant import calibrate_input_scales
 from quant.calibration import CalibConfig, calibration_batches, collect_layer_stats
 from quant.methods import LayerStats, get_method
 from quant.smoothquant import apply_smoothquant
-from quant.w8a8 import STATIC_NEEDS, Int8xInt8Kernel, dynamic_twin, set_static_input_scales
+from quant.w8a8 import STATIC_NEEDS, dynamic_twin, runs_static, set_static_input_scales
 from quant.qlinear import QuantizedLinear
 from quant.scheme import QuantScheme, check_group_fits, is_ignored, padded_width, parse_scheme
 
@@ -206,7 +206,7 @@ def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", c
         raise UserError(f"{scheme.label} has no activation quantization; use W8A8 or a label like w8ch-sym_a8t-static")
     calib = calib or CalibConfig(samples=32)
     static = not scheme.activations.dynamic
-    if static and not Int8xInt8Kernel.supports(scheme.weights, scheme.activations, 0, 0):
+    if static and not runs_static(scheme):
         raise UserError(f"{scheme.label}: {STATIC_NEEDS}")
     batches = calibration_batches(calib, lm) if static or smoothquant is not None else []
     transform = {}
@@ -216,7 +216,7 @@ def quantize_w8a8(lm, scheme: QuantScheme | str = "W8A8", method: str = "rtn", c
     input_scales = {}
     if static:
         token_batches = [torch.tensor([b]) for b in batches]
-        input_scales = calibrate_input_scales(lm.model, token_batches, names, observer)
+        input_scales = calibrate_input_scales(lm.model, token_batches, names, observer, scheme.activations)
     report = quantize_model(lm, dynamic_twin(scheme), method, calib, progress)
     if static:
         set_static_input_scales(lm.model, scheme.activations, input_scales)

@@ -9,7 +9,7 @@ with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales
 per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``wmxfp4g32-sym``,
 ``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``.
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
-``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
+``FP8``, ``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
 only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ class NumberType:
 NUMBER_TYPES: Registry[NumberType] = Registry("number type")
 NUMBER_TYPES.add("int", NumberType("", "int", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS}))
 NUMBER_TYPES.add("float", NumberType("fp", "float", {8: torch.float8_e4m3fn}, ("tensor", "channel"),
-                                     asymmetric=False, static_activations=False))
+                                     asymmetric=False))
 NUMBER_TYPES.add("mxfp", NumberType("mxfp", "float", {4: torch.float8_e4m3fn, 8: torch.float8_e4m3fn}, ("group",),
                                     asymmetric=False, static_activations=False, group_size=32,
                                     scale_dtype=torch.uint8))
@@ -212,6 +212,8 @@ register_preset("W4A16_ASYM", QuantScheme(WeightSpec(4, False, "group", 128)))
 register_preset("W8A8", QuantScheme(WeightSpec(8, True, "channel"), ActSpec(8, "token", True)))
 register_preset("INT8", PRESETS["W8A8"])
 register_preset("W4A8", QuantScheme(WeightSpec(4, True, "group", 128), ActSpec(8, "token", True)))
+register_preset("FP8", QuantScheme(WeightSpec(8, True, "tensor", type="float"),
+                                   ActSpec(8, "tensor", False, type="float")))
 register_preset("FP8_DYNAMIC", QuantScheme(WeightSpec(8, True, "channel", type="float"),
                                            ActSpec(8, "token", True, type="float")))
 register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float")))

