@@ -31,6 +31,7 @@ from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.quantize import quantize_w8a8
 from runtime.generate import Decoder, encode_prompt
 from runtime.sampling import SamplingConfig
+from runtime.argtypes import positive_int
 
 # (row name, model dtype, scheme or None for dense, observer, SmoothQuant alpha)
 CONFIGS = [
@@ -41,6 +42,8 @@ CONFIGS = [
     ("W8A8 static minmax", "fp32", "w8ch-sym_a8t-static", "minmax", None),
     ("W8A8 static percentile", "fp32", "w8ch-sym_a8t-static", "percentile", None),
     ("W8A8 static mse", "fp32", "w8ch-sym_a8t-static", "mse", None),
+    ("FP8 static minmax", "fp32", "FP8", "minmax", None),
+    ("FP8 static mse", "fp32", "FP8", "mse", None),
     ("SmoothQuant 0.5 + dynamic", "fp32", "w8ch-sym_a8tok-dyn", None, 0.5),
     ("SmoothQuant 0.5 + static minmax", "fp32", "w8ch-sym_a8t-static", "minmax", 0.5),
 ]
@@ -121,7 +124,8 @@ def main(args) -> RunRecord:
     return RunRecord(
         name="act-quality",
         model=ModelCondition(args.model, weights_hash(base.path), "per row",
-                             "W8A8 rows: w8ch-sym + a8; FP8 row: wfp8ch-sym + afp8tok-dyn (rtn weights)",
+                             ("W8A8 rows: w8ch-sym + a8; FP8 rows: wfp8ch-sym + afp8tok-dyn, or FP8 = "
+                              "wfp8t-sym + afp8t-static (rtn weights)"),
                              note=SMOLLM2.note if is_default_model(base.path) else ""),
         hardware=hardware_info(),
         lengths=LengthDistribution(args.windows, {"fixed": args.ctx}, {"scored": "every next token"},
@@ -160,13 +164,13 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="default")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "act_quality.json"))
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--ctx", type=int, default=512)
-    parser.add_argument("--calib-samples", type=int, default=8)
-    parser.add_argument("--prefill-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
+    parser.add_argument("--windows", type=positive_int, default=4)
+    parser.add_argument("--ctx", type=positive_int, default=512)
+    parser.add_argument("--calib-samples", type=positive_int, default=8)
+    parser.add_argument("--prefill-len", type=positive_int, default=256)
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=1)  # 2 threads thrash when the CPU is shared
     parser.add_argument("--no-speed", action="store_true", help="quality only (no lock needed)")
     parser.add_argument("--speed-rows-only", action="store_true", help=f"only the rows {', '.join(SPEED_ROWS)}")
     parser.add_argument("--rows", default=None, help="comma list of rows to run, of: "

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from runtime.argtypes import positive_int
 
 
 CONFIGS = {  # name -> Config.parse strings
@@ -112,8 +113,8 @@ def print_table(rows) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=6, help="prompts per run (at least C at concurrency C)")
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-prompts", type=positive_int, default=6, help="prompts per run (at least C at concurrency C)")
+    parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

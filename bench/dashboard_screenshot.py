@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 from studies.dashboard import open_dashboard
 from studies.objective import QualityResult, SpeedResult
 from studies.search import METRIC_NAMES, flat_attrs
+from runtime.argtypes import positive_int
 
 MAX_BYTES = 300_000
 
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--study", default="runs/demo/study.db", help="SQLite study file to show (copied)")
     parser.add_argument("--out", default="docs/dashboard.png")
     parser.add_argument("--page", default="/studies/1", help="dashboard page under /dashboard")
-    parser.add_argument("--budget-ms", type=int, default=15000, help="Chromium's virtual time for the page to draw")
+    parser.add_argument("--budget-ms", type=positive_int, default=15000, help="Chromium's virtual time for the page to draw")
     parser.add_argument("--size", default="1400,1000", help="window WIDTH,HEIGHT")
     args = parser.parse_args()
     source = Path(args.study)

@@ -29,6 +29,7 @@ from runtime.hardware import probe, resolve_device
 from runtime.loading import load_model, set_threads
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quantspec.report import print_decode_comparison
+from runtime.argtypes import positive_int
 
 TARGET = 1.3  # compiled / eager decode tok/s, same dtype (issue 15)
 
@@ -119,11 +120,11 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when torch sees a GPU); "
                                                         "the native-vs-HF comparison only")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--compile", action="store_true", help="eager vs compiled step, fp32 and bf16")
     parser.add_argument("--modes", default=",".join(MODES), help="compile modes for --compile")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     args = parser.parse_args()
     set_threads(args.threads)
     if args.compile:

@@ -37,6 +37,7 @@ from specdec.proposers.base import check_proposer_spec  # noqa: E402
 from specdec.sweep import run_contexts, verify_cost_curve  # noqa: E402
 from specdec.train_draft import extract_features  # noqa: E402
 from spec_sweep import SPEC_BENCH_TASKS, spec_bench_prompts  # noqa: E402
+from runtime.argtypes import positive_int
 
 
 @torch.inference_mode()
@@ -135,13 +136,13 @@ if __name__ == "__main__":
     parser.add_argument("--head-dir", required=True)
     parser.add_argument("--chain-record", required=True, help="bench/results/eagle_train_draft*.json of this head")
     parser.add_argument("--model", default="default")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--per-category", type=positive_int, default=2)
     parser.add_argument("--tasks", type=lambda s: tuple(s.split(",")), default=SPEC_BENCH_TASKS,
                         help="Spec-Bench tasks to draw prompts from.")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    parser.add_argument("--max-rows", type=int, default=25, help="largest tree verified (root row included)")
+    parser.add_argument("--max-rows", type=positive_int, default=25, help="largest tree verified (root row included)")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "eagle_tree_bound.json"))
     args = parser.parse_args()

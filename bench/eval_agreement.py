@@ -24,6 +24,7 @@ from evals.harness import run_lm_eval, task_manager  # noqa: E402
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,  # noqa: E402
                           RunRecord, hardware_info)
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash  # noqa: E402
+from runtime.argtypes import positive_int
 
 # SmolLM2-135M-Instruct model card (lighteval, zero-shot, HF bf16 weights, not the Q4_1 GGUF used here).
 PUBLISHED = {"hellaswag": 40.9, "arc_avg": 37.3, "piqa": 66.3}
@@ -52,9 +53,9 @@ def run_backend(name: str, tasks: list[str], limit: int, data_dir: str | None, h
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="arc_easy,piqa,hellaswag")
-    ap.add_argument("--limit", type=int, default=500)
-    ap.add_argument("--hf-batch-size", type=int, default=8)
-    ap.add_argument("--workers", type=int, default=2, help="(backend, task) pairs scored at once, 1 thread each.")
+    ap.add_argument("--limit", type=positive_int, default=500)
+    ap.add_argument("--hf-batch-size", type=positive_int, default=8)
+    ap.add_argument("--workers", type=positive_int, default=2, help="(backend, task) pairs scored at once, 1 thread each.")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="bench/results/eval_agreement.json")
     ap.add_argument("--merge", action="store_true", help="Keep other tasks already in --out (same limit).")

@@ -22,6 +22,7 @@ from evals.harness import EvalConfig, evaluate  # noqa: E402
 from evals.record import RunRecord, write_json_atomic  # noqa: E402
 from runtime.model_store import SMOLLM2  # noqa: E402
 from quant.scheme import parse_scheme  # noqa: E402
+from runtime.argtypes import positive_int
 
 CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", "rtn:w3g32-sym", "gptq:w3g32-sym")
 FP4_CONFIGS = ("rtn:w4g32-asym", "rtn:w4g32-sym", "rtn:w4g16-sym", "rtn:MXFP4A16", "rtn:NVFP4A16")
@@ -44,11 +45,11 @@ def main() -> None:
     ap.add_argument("--set", default="schemes", choices=tuple(SETS), help="configurations (and output) by name")
     ap.add_argument("--configs", default=None, help="method:scheme,... (default: those of --set)")
     ap.add_argument("--tasks", default="arc_easy,piqa")
-    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--limit", type=positive_int, default=200)
     ap.add_argument("--floor", default="0.95")
-    ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--fidelity-windows", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calib-samples", type=positive_int, default=32)
+    ap.add_argument("--fidelity-windows", type=positive_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--out", default=None, help="default: the --set's file in bench/results")
     args = ap.parse_args()
     configs, out = SETS[args.set]

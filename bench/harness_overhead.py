@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from runtime.argtypes import positive_int
 
 
 
@@ -84,7 +85,7 @@ def main(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument("--output-len", type=positive_int, default=32)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     main(parser.parse_args())

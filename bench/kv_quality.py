@@ -30,6 +30,7 @@ from quant.kvcache import calibrate_kv_scales, make_cache_factory, parse_kv_spec
 from runtime.loading import load_model
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from runtime.generate import Decoder
+from runtime.argtypes import positive_int
 
 GRANULARITY_SPECS = [f"k{b}{g}-v{b}{g}" for b in (8, 4, 2) for g in ("ts", "hs", "tok", "ch")]
 KEY_ONLY_SPECS = [f"k{b}{g}-v16" for b in (4, 2) for g in ("tok", "ch")]  # isolates the key granularity
@@ -202,12 +203,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--specs", default=",".join(DEFAULT_SPECS))
-    parser.add_argument("--windows-512", type=int, default=2)
-    parser.add_argument("--windows-2048", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--windows-512", type=positive_int, default=2)
+    parser.add_argument("--windows-2048", type=positive_int, default=1)
+    parser.add_argument("--chunk", type=positive_int, default=64)
     parser.add_argument("--vllm", action="store_true", help="only add native vs vLLM fp8-KV (teacher-forced PPL and top-1) to "
                         "the existing --out record (run under flock /tmp/qs-vllm.lock)")
-    parser.add_argument("--threads", type=int, default=1)  # 2 threads thrash when the CPU is shared
+    parser.add_argument("--threads", type=positive_int, default=1)  # 2 threads thrash when the CPU is shared
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kv_quality.json"))
     args = parser.parse_args()

@@ -40,6 +40,7 @@ from runtime.model_store import SMOLLM2, default_gguf, resolve_model, weights_ha
 from runtime.sampling import SamplingConfig
 from specdec.proposers import build_proposer
 from specdec.sweep import run_sweep
+from runtime.argtypes import positive_int
 
 INSTALL = "llama-cpp-python is not installed: run `make llamacpp` (pip builds it from source, about 5 min on 2 cores)"
 NATIVE = [("native int4 g32", "w4g32-sym"), ("native int8 W8A16", "W8A16"), ("native bf16", None)]
@@ -277,16 +278,16 @@ def print_speculation(console: Console, s: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--compile", choices=MODES, default="max-autotune-no-cudagraphs")
     parser.add_argument("--k", type=lambda s: [int(k) for k in s.split(",") if k], default=[2, 4],
                         help="speculation lengths, comma-separated (empty: decode only)")
-    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--num-prompts", type=positive_int, default=6)
     parser.add_argument("--spec", default="ngram:min=1,max=2", help="quantspec's proposer (llama.cpp's lookup: "
                                                                   "n-grams of up to --lookup-ngram tokens)")
-    parser.add_argument("--lookup-ngram", type=int, default=2)
+    parser.add_argument("--lookup-ngram", type=positive_int, default=2)
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="speculation only")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/llamacpp.<machine tag>.json")
     args = parser.parse_args()

@@ -34,6 +34,7 @@ from runtime.hardware import probe
 from runtime.measure import LoadWindow, SpeedProtocol, paired_ratio
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from runtime.threads import apply_threads
+from runtime.argtypes import positive_int
 
 # The demo space's configurations (studies/spaces/demo.yaml): the reference first.
 CONFIGS = {"none (reference)": Config(), "w8ch-sym": Config(weights="w8ch-sym", method="rtn"),
@@ -157,8 +158,8 @@ def print_table(summary: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=positive_int, default=2)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--threshold", type=float, default=0.10)
     args = parser.parse_args()
     t0 = time.time()

@@ -27,6 +27,7 @@ from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from quant.quantize import quantize_model
 from runtime.hardware import kernels_used, probe
 from runtime.generate import encode_prompt
+from runtime.argtypes import positive_int
 
 # (label, dtype, scheme or None, target ratio to fp32)
 CONFIGS = [("fp32", "fp32", None, None), ("bf16", "bf16", None, None), ("int8 W8A16", "bf16", "W8A16", 2.0),
@@ -116,9 +117,9 @@ def print_table(record: RunRecord) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--compile", choices=MODES, default=None, help="Also time each config's compiled step.")
     args = parser.parse_args()
     set_threads(args.threads)

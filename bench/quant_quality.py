@@ -24,6 +24,7 @@ from quant.calibration import CalibConfig
 from runtime.loading import load_model, set_threads
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
 from quant.quantize import quantize_model
+from runtime.argtypes import positive_int
 
 SCHEMES = ("w4g64-sym", "w4g32-sym", "w3g32-sym")
 NEAR_LOSSLESS = "w4g32-asym"
@@ -80,14 +81,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--ctx", type=int, default=512)
-    parser.add_argument("--stride", type=int, default=None)
-    parser.add_argument("--max-windows", type=int, default=16)
-    parser.add_argument("--calib-samples", type=int, default=32)
-    parser.add_argument("--calib-seqlen", type=int, default=512)
+    parser.add_argument("--ctx", type=positive_int, default=512)
+    parser.add_argument("--stride", type=positive_int, default=None)
+    parser.add_argument("--max-windows", type=positive_int, default=16)
+    parser.add_argument("--calib-samples", type=positive_int, default=32)
+    parser.add_argument("--calib-seqlen", type=positive_int, default=512)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per job (1 is fastest on a busy box)")
-    parser.add_argument("--jobs", type=int, default=1, help="configurations evaluated in parallel processes")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads per job (1 is fastest on a busy box)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="configurations evaluated in parallel processes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_quality.json"))
     args = parser.parse_args()
     calib = CalibConfig("wikitext2", args.calib_samples, args.calib_seqlen, data_dir=args.data_dir)

@@ -43,6 +43,7 @@ from runtime.sampling import SamplingConfig  # noqa: E402
 from spec_sweep import SPEC_BENCH_TASKS, spec_bench_prompts  # noqa: E402
 from specdec.proposers.base import check_proposer_spec  # noqa: E402
 from specdec.sweep import parse_ks  # noqa: E402
+from runtime.argtypes import positive_int
 
 TARGETS = "none,W8A8,w8ch-sym,w4g32-asym"
 HEADS = "none,w8ch-sym"
@@ -99,10 +100,10 @@ if __name__ == "__main__":
     parser.add_argument("--head-dir", required=True, help="EAGLE head trained for --model (quantspec train-draft).")
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--per-category", type=positive_int, default=2)
     parser.add_argument("--tasks", default=",".join(SPEC_BENCH_TASKS), help="Spec-Bench tasks to draw prompts from.")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--ks", default="2,3,4,5")
     parser.add_argument("--targets", default=TARGETS, help="Target weight schemes (none = unquantized).")
     parser.add_argument("--heads", default=HEADS, help="Head weight schemes (none = the target's dtype).")

@@ -26,6 +26,7 @@ from runtime.sampling import SamplingConfig
 import quantspec
 from quantspec.report import print_sweep
 from specdec.sweep import parse_ks
+from runtime.argtypes import positive_int
 
 SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
@@ -55,10 +56,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--per-category", type=positive_int, default=1)
     parser.add_argument("--tasks", default=",".join(SPEC_BENCH_TASKS), help="Spec-Bench tasks to draw prompts from.")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--proposer", action="append", default=None)
     parser.add_argument("--temperatures", default="0,1")

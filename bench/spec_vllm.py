@@ -28,6 +28,7 @@ from runtime.generate import encode_prompt
 from specdec.metrics import AcceptanceStats
 from runtime.sampling import SamplingConfig
 from specdec.speculative import SpeculativeDecoder
+from runtime.argtypes import positive_int
 
 NGRAM = "ngram:min=2,max=4"
 
@@ -77,9 +78,9 @@ if __name__ == "__main__":
     from spec_sweep import spec_bench_prompts  # bench/ is on sys.path when run as a script
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--k", type=positive_int, default=4)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--eagle", default=None, help="EAGLE head folder to compare too (quantspec train-draft).")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "specdec-vllm.json"))
     args = parser.parse_args()

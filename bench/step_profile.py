@@ -25,6 +25,7 @@ from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import kernels_used, probe
 from runtime.loading import load_model, set_threads
 from runtime.model_store import SMOLLM2, resolve_model, weights_hash
+from runtime.argtypes import positive_int
 
 CONFIGS = [("bf16", None), ("int8 W8A16", "W8A16"), ("int4 g32", "w4g32-sym")]
 # by event name: ATen/mkldnn matmuls, inductor's GEMM templates (graph_N_gemm_m1n..k.._kernel) and its weight-only
@@ -120,8 +121,8 @@ def print_tables(record: RunRecord) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--steps", type=positive_int, default=64)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--compile", choices=MODES, default="max-autotune-no-cudagraphs")
     args = parser.parse_args()
     set_threads(args.threads)

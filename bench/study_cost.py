@@ -25,6 +25,7 @@ from quantspec.report import footer_lines, rich_table
 from studies.pareto import summarize, write_json
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import load_space
+from runtime.argtypes import positive_int
 
 
 class TimedEvaluator:
@@ -82,13 +83,13 @@ class TimedEvaluator:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-trials", type=int, default=30)
+    parser.add_argument("--n-trials", type=positive_int, default=30)
     parser.add_argument("--space", default="default")
-    parser.add_argument("--limit", type=int, default=200)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=positive_int, default=200)
+    parser.add_argument("--prompts", type=positive_int, default=4)
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
     parser.add_argument("--study-dir", default=str(Path(__file__).parent / "results" / "study_cost"),
                         help="where the study's SQLite file is kept (replaced by each run)")

@@ -25,6 +25,7 @@ from runtime.loading import load_model  # noqa: E402
 from runtime.sampling import SamplingConfig  # noqa: E402
 from specdec.sweep import parse_ks  # noqa: E402
 from specdec.train_draft import TrainConfig, parse_layers, train_head  # noqa: E402
+from runtime.argtypes import nonnegative_int, positive_int
 
 SPEC_BENCH = Path(__file__).parent / "spec_sweep.py"
 
@@ -40,28 +41,28 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--prompts", type=int, default=300)
-    parser.add_argument("--max-answer-tokens", type=int, default=64)
-    parser.add_argument("--wikitext", type=int, default=32)
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--prompts", type=positive_int, default=300)
+    parser.add_argument("--max-answer-tokens", type=positive_int, default=64)
+    parser.add_argument("--wikitext", type=positive_int, default=32)
     parser.add_argument("--answer-seconds", type=float, default=240.0, help="Cap on generating answers.")
-    parser.add_argument("--answer-batch", type=int, default=16, help="Prompts answered together (greedy batch).")
+    parser.add_argument("--answer-batch", type=positive_int, default=16, help="Prompts answered together (greedy batch).")
     parser.add_argument("--train-seconds", type=float, default=300.0, help="Cap on the training loop.")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--epochs", type=positive_int, default=8)
+    parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ce-weight", type=float, default=TrainConfig.ce_weight)
     parser.add_argument("--draft-vocab", type=int, default=None)
-    parser.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps,
+    parser.add_argument("--ttt-steps", type=nonnegative_int, default=TrainConfig.ttt_steps,
                         help="Chain steps trained on the head's own states (EAGLE-3 training-time test).")
-    parser.add_argument("--context-prompts", type=int, default=0,
+    parser.add_argument("--context-prompts", type=nonnegative_int, default=0,
                         help="Long-context prompts (WikiText-2 validation passages in Spec-Bench's long-context shapes).")
-    parser.add_argument("--context-len", type=int, default=TrainConfig.context_len)
+    parser.add_argument("--context-len", type=positive_int, default=TrainConfig.context_len)
     parser.add_argument("--fuse-layers", default="", help="EAGLE-3 feature fusion: target layers the head also reads.")
-    parser.add_argument("--head-layers", type=int, default=TrainConfig.head_layers)
+    parser.add_argument("--head-layers", type=positive_int, default=TrainConfig.head_layers)
     parser.add_argument("--ks", default="1,2,3,4,5")
-    parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--per-category", type=positive_int, default=2)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--head-dir", default="/tmp/quantspec-eagle-head")
     parser.add_argument("--note", default=None, help="Stored in the record, e.g. which budget protocol this run is.")
     parser.add_argument("--data-dir", default=None)

@@ -29,6 +29,7 @@ from runtime.loading import load_model, set_threads
 from runtime.measure import SpeedProtocol, paired_ratio, with_ci
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
 from runtime.sampling import SamplingConfig
+from runtime.argtypes import positive_int
 
 # (row, scheme, the FP8 product forced on every fp8xfp8 layer or None for the probe's pick)
 ROWS = [("INT8 W8A8 dynamic", "W8A8", None), ("FP8 W8A8 dynamic, probe's pick", "FP8_DYNAMIC", None),
@@ -119,14 +120,11 @@ def print_table(record: RunRecord) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--units", type=int, default=2, help="generations of each side per round")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--units", type=positive_int, default=2, help="generations of each side per round")
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/w8a8_decode.<tag>.json")
     args = parser.parse_args()
-    for name in ("new_tokens", "units"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.threads:
         set_threads(args.threads)
     record = run(args.model, args.new_tokens, args.units, SpeedProtocol())

@@ -21,6 +21,24 @@ def test_bench_script_help(script, monkeypatch, capsys):
     assert done.value.code in (0, None) and "usage:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("script,flag", [("w8a8_decode.py", "--units"), ("quant_decode.py", "--new-tokens"),
+                                         ("train_draft.py", "--context-prompts")])
+def test_bench_counts_below_their_minimum_are_usage_errors(script, flag, monkeypatch, capsys):
+    """A count of 0 (-1 where 0 is allowed) stops at argument parsing: exit 2 and one line naming the flag, not a
+    traceback from inside the run. Negative control: plain ``int`` (what every script had) takes them."""
+    from runtime.argtypes import nonnegative_int, positive_int
+
+    value = "-1" if flag == "--context-prompts" else "0"
+    monkeypatch.chdir(BENCH.parent)
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [str(BENCH / script), flag, value])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH / script), run_name="__main__")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2 and flag in err and "must be at least" in err, err
+    assert nonnegative_int("0") == 0 and positive_int("3") == 3 and int(value) < 1
+
+
 def test_a_bench_script_runs_as_a_script():
     done = subprocess.run([sys.executable, str(BENCH / "render_results.py"), "--help"], capture_output=True,
                           text=True, timeout=300, cwd=BENCH.parent)
