@@ -406,6 +406,16 @@ def render_act_quality(d: dict) -> str:
     return _act_rows(d["results"]["rows"])
 
 
+@bench("act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 beside static INT8",
+       "bench/act_quality.py --no-speed --rows \"fp32,W8A8 static mse,FP8 static minmax,FP8 static mse\" "
+       "--out bench/results/act_quality_fp8_static.json",
+       "compressed-tensors' `FP8` preset (E4M3 weights per tensor, one calibrated E4M3 input scale per layer) "
+       "beside static INT8 W8A8 with its best observer, same windows and calibration as the quality table above "
+       "(its `W8A8 static mse` row reproduces).")
+def render_act_quality_fp8_static(d: dict) -> str:
+    return _act_rows(d["results"]["rows"])
+
+
 @bench("act_speed.json", "W8A8 activation quantization: speed", "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
        "The `int8xint8` kernel (`torch._int_mm`) against dense fp32 and bf16 in the same run. The quality columns "
        "here come from fewer windows than the quality table above, which is the quality result.")

