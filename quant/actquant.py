@@ -160,6 +160,9 @@ def quantize_per_group(x: torch.Tensor, spec: ActSpec) -> tuple[torch.Tensor, to
     return quantize_per_token(x.unflatten(-1, (-1, spec.group_size)), spec)
 
 
+DYNAMIC = {"token": quantize_per_token, "group": quantize_per_group}  # granularity -> dynamic quantizer
+
+
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, spec: ActSpec = ActSpec(8, "tensor", False)):
     """Static symmetric codes with one calibrated scale."""
     return _codes(x, scale, spec)
@@ -169,7 +172,10 @@ def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tenso
     """(codes in ``spec.code_dtype``, scale broadcastable to the codes) for a Linear input, per ``spec``; per-group
     codes have a group axis (``quantize_per_group``)."""
     if spec.dynamic:
-        return (quantize_per_group if spec.granularity == "group" else quantize_per_token)(x, spec)
+        if spec.granularity not in DYNAMIC:
+            raise UserError("dynamic activation scales are per-token or per-group only: use a8tok-dyn, a4g32-dyn, "
+                            "or a8t-static")
+        return DYNAMIC[spec.granularity](x, spec)
     if input_scale is None:
         raise UserError("static activation scales need calibration: run calibration first or use a8tok-dyn")
     return quantize_per_tensor(x, input_scale, spec), input_scale.reshape(1)
