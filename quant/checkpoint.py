@@ -37,7 +37,7 @@ from runtime.loading import build_model, load_state_dict
 from quant.microscale import ct_args, loaded_scale, stored_scale
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
-from quant.rotation import CONFIG_KEY, install_online
+from quant.rotation import CONFIG_KEY, reinstall
 from quant.scheme import NUMBER_TYPES, ActSpec, QuantScheme, WeightSpec, parse_scheme
 from quant.w8a8 import set_static_input_scales
 from runtime.transformer import Transformer
@@ -218,6 +218,6 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
     if CONFIG_KEY in config:  # R1 and R2 are in the weights; R4 runs online
-        install_online(model, config[CONFIG_KEY])
+        reinstall(model, config[CONFIG_KEY])
     return model.eval()
 

@@ -17,7 +17,7 @@ error, while the full-precision model computes the same function:
 Matrices are compressed-tensors' own (``random_hadamard_matrix``: sizes ``K * 2^m`` for its stored ``K``;
 ``deterministic_hadamard_matrix``: powers of two), scaled to be orthonormal; the random signs come from ``seed``.
 Weights are rotated in float64 and cast back once. Exports record ``Transformer.rotation`` in config.json
-(``quantspec_rotation``), from which the loader recreates R4 (``install_online``). compressed-tensors'
+(``quantspec_rotation``), from which the loader recreates R4 (``reinstall``). compressed-tensors'
 ``transform_config`` is not used: its ``random-hadamard`` factory draws signs from its own generator and vLLM then
 expects the matrix stored as a tensor, so vLLM refuses rotated points (``quant.vllm_support.ROTATION_REFUSAL``).
 """
@@ -27,6 +27,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -102,8 +103,8 @@ def recorded_rotation(model: str | Path) -> dict | None:
     return json.loads(config.read_text()).get(CONFIG_KEY) if config.is_file() else None
 
 
-def install_online(model: Transformer, rotation: dict) -> None:
-    """The online part of ``rotation`` (R4 before every down_proj; one shared matrix), as recorded."""
+def install_hadamard_online(model: Transformer, rotation: dict) -> None:
+    """The online part of a Hadamard ``rotation`` (R4 before every down_proj; one shared matrix), as recorded."""
     r4 = hadamard_matrices(model.args, rotation["seed"]).r4
     online = OnlineRotation(r4)
     for block in model.layers:
@@ -140,12 +141,22 @@ def rotate_hadamard(lm, seed: int = 0) -> dict:
         _transform(mlp.down_proj, left=r1t, right=m.r4)
     rotation = {"rotate": "hadamard", "seed": seed, "r1": args.dim, "r2": args.head_dim, "r4": args.intermediate_size,
                 "online": "R4 before mlp.down_proj (dense fp32 matmul)"}
-    install_online(model, rotation)
+    install_hadamard_online(model, rotation)
     return dict(rotation)
 
 
-ROTATIONS: Registry = Registry("rotation")  # name -> fn(lm, seed) -> dict, applied before quantization
-ROTATIONS.add("hadamard", rotate_hadamard)
+@dataclass(frozen=True)
+class Rotation:
+    """A registered rotation: ``apply(lm, seed) -> dict`` rotates a full-precision model in place and returns what
+    it records (``rotate``: its name, and what ``online(model, record)`` needs to recreate its online part on a
+    loaded checkpoint whose weights are rotated already)."""
+
+    apply: Callable[..., dict]
+    online: Callable[[Transformer, dict], None]
+
+
+ROTATIONS: Registry[Rotation] = Registry("rotation")
+ROTATIONS.add("hadamard", Rotation(rotate_hadamard, install_hadamard_online))
 
 
 def parse_rotate(text: str | None) -> str | None:
@@ -167,4 +178,9 @@ def check_rotation(rotate: str | None, method: str) -> None:
 def apply_rotation(lm, rotate: str | None, seed: int = 0) -> dict:
     """Rotate ``lm`` by the named rotation (nothing for None); returns what was applied ({} for None)."""
     name = parse_rotate(rotate)
-    return ROTATIONS.get(name)(lm, seed) if name is not None else {}
+    return ROTATIONS.get(name).apply(lm, seed) if name is not None else {}
+
+
+def reinstall(model: Transformer, record: dict) -> None:
+    """The online part of a loaded checkpoint's recorded rotation (its weights are rotated already)."""
+    ROTATIONS.get(record["rotate"]).online(model, record)
