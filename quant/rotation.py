@@ -75,7 +75,8 @@ def hadamard_matrices(args: ModelArgs, seed: int = 0) -> Matrices:
 
 
 def _transform(linear: nn.Module, left: torch.Tensor | None = None, right: torch.Tensor | None = None) -> None:
-    """``W -> left @ W @ right`` in float64 (an in-place edit: packed weights rebuild)."""
+    """``W -> left @ W @ right`` in float64 for a Linear or the embedding (an in-place edit: packed weights
+    rebuild)."""
     w = linear.weight.double()
     w = left @ w if left is not None else w
     linear.weight.copy_((w @ right if right is not None else w).to(linear.weight.dtype))
@@ -126,8 +127,8 @@ def rotate_hadamard(lm, seed: int = 0) -> dict:
     _untie(model)
     _fold_norms(model)
     r1, r1t = m.r1, m.r1.T
-    model.embed_tokens.weight.copy_((model.embed_tokens.weight.double() @ r1).to(model.embed_tokens.weight.dtype))
-    _transform(model.lm_head, right=r1)
+    for reader in (model.embed_tokens, model.lm_head):  # [vocab, dim] each, rows in the residual basis: W -> W Q
+        _transform(reader, right=r1)
     heads_v = torch.block_diag(*[m.r2] * args.n_kv_heads)
     heads_o = torch.block_diag(*[m.r2] * args.n_heads)
     for block in model.layers:
