@@ -106,6 +106,7 @@ def main() -> None:
     base.name = "eval schemes: accuracy, flips, KL per weight scheme"
     base.model.scheme = args.configs
     base.engine.config["threads"] = args.threads
+    base.engine.config["rotate"] = sorted({r["rotate"] or "none" for r in rows})  # per row: its config's third field
     base.results = {"rows": rows, "reports": records}
     factors = kl_factors(rows)
     if factors:

@@ -500,8 +500,9 @@ def render_eval_fp4(d: dict) -> str:
        "activations, each without and with `--rotate hadamard` (quant/rotation.py: R1 and R2 fused into the weights, "
        "R4 online before down_proj). int4 activations run the `simulated` kernel (fake-quantized inputs): their "
        "quality is real, no speed is claimed. The factor is mean KL unrotated / rotated on the same WikiText-2 "
-       "windows. This model's body weights were Q4_1-dequantized, so unrotated int4 weights sit near their native "
-       "grid and a rotation moves them off it: weight error grows while activation error shrinks.")
+       "windows. On this model the rotation helps where activations are the loss (per-token int4) and costs where "
+       "weights are (W4A8; weight-only int4 loses too in a quick check): its body weights were Q4_1-dequantized, "
+       "which may favour the unrotated basis (not verified); 4-bit results here need not transfer.")
 def render_eval_rotation(d: dict) -> str:
     factors = d["results"].get("kl_factor_unrotated_over_rotated", {})
     line = "KL unrotated / rotated: " + ", ".join(f"{s} **{num(f)}x**" for s, f in factors.items()) + "."
