@@ -4,9 +4,13 @@ The flips column is the point: two configurations with the same accuracy can dis
 on many items. Every run goes through ``evals.harness.evaluate`` (cached under $QUANTSPEC_HOME/eval-cache).
 ``--set fp4``: the microscaling FP4 formats (MXFP4A16, NVFP4A16; simulated kernel) beside int4 g32 asym/sym and
 g16, each 4-bit row with the caveat of this model's Q4_1-dequantized body (bench/results/eval_fp4.json).
+``--set rotation``: W4A8 and W4A4 (int4 activations per token, and per group of 32) each without and with
+``--rotate hadamard`` (quant/rotation.py), RTN; the summary states KL(unrotated) / KL(rotated) per scheme
+(bench/results/eval_rotation.json). A configuration is ``method:scheme[:rotation]``.
 
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4 --limit 100
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set rotation --limit 200
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ from runtime.argtypes import positive_int
 
 CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", "rtn:w3g32-sym", "gptq:w3g32-sym")
 FP4_CONFIGS = ("rtn:w4g32-asym", "rtn:w4g32-sym", "rtn:w4g16-sym", "rtn:MXFP4A16", "rtn:NVFP4A16")
-SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json")}
+ROTATION_CONFIGS = tuple(f"rtn:{scheme}{rotation}" for scheme in ("w4g32-sym_a8tok-dyn", "w4g32-sym_a4tok-dyn",
+                                                                  "w4g32-sym_a4g32-dyn") for rotation in ("", ":hadamard"))
+SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json"),
+        "rotation": (ROTATION_CONFIGS, "bench/results/eval_rotation.json")}
 Q4_1_ASYM = ("this body is Q4_1-dequantized (4-bit g32 grid with a float offset per block): int4-g32-asym's integer "
              "zero point cannot express that offset, so its re-quantization is NOT near-lossless")
 Q4_1_OTHER = "re-quantizes Q4_1-dequantized 4-bit weights: need not transfer to natively trained checkpoints"
@@ -40,10 +47,17 @@ def caveat(scheme: str) -> str:
     return Q4_1_ASYM if (weights.type, weights.symmetric, weights.group_size) == ("int", False, 32) else Q4_1_OTHER
 
 
+def kl_factors(rows: list[dict]) -> dict[str, float]:
+    """Per scheme measured with and without a rotation: mean KL unrotated / mean KL rotated."""
+    kl = {(r["scheme"], r["rotate"]): r["kl_mean"] for r in rows}
+    return {scheme: kl[scheme, None] / kl[scheme, rotate] for scheme, rotate in kl
+            if rotate is not None and (scheme, None) in kl}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", default="schemes", choices=tuple(SETS), help="configurations (and output) by name")
-    ap.add_argument("--configs", default=None, help="method:scheme,... (default: those of --set)")
+    ap.add_argument("--configs", default=None, help="method:scheme[:rotation],... (default: those of --set)")
     ap.add_argument("--tasks", default="arc_easy,piqa")
     ap.add_argument("--limit", type=positive_int, default=200)
     ap.add_argument("--floor", default="0.95")
@@ -63,13 +77,14 @@ def main() -> None:
     console = Console()
     rows, records = [], []
     for item in args.configs.split(","):
-        method, scheme = item.split(":")
-        point = Config.parse(scheme=scheme, method=method, dtype="fp32", calib=calib if method != "rtn" else None)
+        method, scheme, rotate = (item.split(":") + [None])[:3]
+        point = Config.parse(scheme=scheme, method=method, dtype="fp32", calib=calib if method != "rtn" else None,
+                             rotate=rotate)
         report = evaluate(EvalConfig(point, tasks=tuple(args.tasks.split(",")), limit=args.limit, floor=args.floor,
                                      fidelity_windows=args.fidelity_windows))
         records.append(report.to_json())
         for task, comp in report.comparison.items():
-            rows.append({"config": item, "task": task, **comp.to_dict(),
+            rows.append({"config": item, "scheme": scheme, "rotate": point.rotate, "task": task, **comp.to_dict(),
                          "stderr": report.tasks[task].value("acc")[1],
                          "kl_mean": report.fidelity.mean_kl, "kl_p99": report.fidelity.p99_kl,
                          "top1_agreement": report.fidelity.top1_agreement, "ppl": report.fidelity.ppl_test,
@@ -92,7 +107,13 @@ def main() -> None:
     base.name = "eval schemes: accuracy, flips, KL per weight scheme"
     base.model.scheme = args.configs
     base.engine.config["threads"] = args.threads
+    base.engine.config["rotate"] = sorted({r["rotate"] or "none" for r in rows})  # per row: its config's third field
     base.results = {"rows": rows, "reports": records}
+    factors = kl_factors(rows)
+    if factors:
+        base.results["kl_factor_unrotated_over_rotated"] = factors
+        for scheme, factor in factors.items():
+            console.print(f"{scheme}: mean KL unrotated / rotated = {factor:.2f}x", highlight=False)
     write_json_atomic(args.out, base.to_dict())
     console.print(f"run record: {args.out}")
 

@@ -492,14 +492,31 @@ def render_eval_schemes(d: dict, extra: dict[str, Callable[[dict], Any]] | None 
                   "config verdict (all tasks)", *extra], rows)
 
 
+KERNEL_AND_CAVEAT = {"kernel": lambda x: kernels_text(x.get("kernels")), "caveat": lambda x: x.get("caveat") or "–"}
+
+
 @bench("eval_fp4.json", "FP4 microscaling vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4",
        "MXFP4A16 (E2M1 in g32 blocks, E8M0 power-of-two scales) and NVFP4A16 (E2M1 in g16 blocks, E4M3 scales "
        "under an fp32 global scale) beside int4 g32 asymmetric / symmetric and g16 symmetric, RTN, on the default "
        "model. The FP4 rows run the `simulated` kernel (dequantized weights, plain matmul): their quality is real, "
        "no speed is claimed. Read the caveat beside the 4-bit rows: this model's body weights were Q4_1-dequantized.")
 def render_eval_fp4(d: dict) -> str:
-    return render_eval_schemes(d, {"kernel": lambda x: kernels_text(x.get("kernels")),
-                                   "caveat": lambda x: x.get("caveat") or "–"})
+    return render_eval_schemes(d, KERNEL_AND_CAVEAT)
+
+
+@bench("eval_rotation.json", "Hadamard rotation at W4A8 / W4A4: accuracy, flips, KL",
+       "bench/eval_schemes.py --set rotation",
+       "int4 g32 symmetric weights (RTN) with int8 per-token, int4 per-token and int4 per-group-of-32 dynamic "
+       "activations, each without and with `--rotate hadamard` (quant/rotation.py: R1 and R2 fused into the weights, "
+       "R4 online before down_proj). int4 activations run the `simulated` kernel (fake-quantized inputs): their "
+       "quality is real, no speed is claimed. The factor is mean KL unrotated / rotated on the same WikiText-2 "
+       "windows. On this model the rotation helps where activations are the loss (per-token int4) and costs where "
+       "weights are (W4A8; weight-only int4 loses too in a quick check): its body weights were Q4_1-dequantized, "
+       "which may favour the unrotated basis (not verified); 4-bit results here need not transfer.")
+def render_eval_rotation(d: dict) -> str:
+    factors = d["results"].get("kl_factor_unrotated_over_rotated", {})
+    line = "KL unrotated / rotated: " + ", ".join(f"{s} **{num(f)}x**" for s, f in factors.items()) + "."
+    return render_eval_schemes(d, KERNEL_AND_CAVEAT) + "\n\n" + line
 
 
 @bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",

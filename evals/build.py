@@ -54,7 +54,7 @@ def quantize(lm: LoadedModel, config: Config, progress: bool = False) -> QuantRe
     if config.needs_w8a8_path:
         return quantize_w8a8(lm, config.scheme, config.method, config.calib, observer=config.observer,
                              smoothquant=config.smoothquant, progress=progress)
-    return quantize_fresh(lm, config.scheme, config.method, config.calib, progress=progress)
+    return quantize_fresh(lm, config.scheme, config.method, config.calib, progress=progress, rotate=config.rotate)
 
 
 def kv_cache_factory(lm: LoadedModel, config: Config):
@@ -70,7 +70,7 @@ def kv_cache_factory(lm: LoadedModel, config: Config):
 
 def exported_checkpoint(config: Config) -> Path:
     """The compressed-tensors export of the point's weights transformation, made once and cached under all that
-    changes the weights (scheme, method, calibration set, SmoothQuant, observer: ``Config.method_key``).
+    changes the weights (scheme, method, calibration set, rotation, SmoothQuant, observer: ``Config.method_key``).
 
     The one builder quantizes it (``quantize``) from the model's bf16 weights, exactly as the native backend
     does, so every engine that loads the export serves the same integer weights."""
@@ -91,7 +91,8 @@ def as_checkpoint(config: Config) -> Config:
     loads it (and as the native builder can load it too, so both serve the same integer weights)."""
     if not config.quantized_weights:
         return config
-    return replace(config, model=str(exported_checkpoint(config)), weights="none", activations="none", method=None)
+    return replace(config, model=str(exported_checkpoint(config)), weights="none", activations="none", method=None,
+                   rotate=None)
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,6 +1,6 @@
-"""One configuration point, parsed once: model, dtype, weight scheme (+ method, calibration), activation scheme,
-KV format, proposer + K, backend, attention, device, SmoothQuant alpha, static observer (a static KV spec such as k8ts-v8ts
-means calibrated KV scales).
+"""One configuration point, parsed once: model, dtype, weight scheme (+ method, calibration, rotation), activation
+scheme, KV format, proposer + K, backend, attention, device, SmoothQuant alpha, static observer (a static KV spec
+such as k8ts-v8ts means calibrated KV scales).
 
 ``Config`` holds the round-trip-able string forms (stored in Optuna user_attrs, records, cache keys) and, parsed
 once in ``__post_init__``, the typed parts: ``scheme`` (quant.scheme.QuantScheme), ``kv_spec``
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 import specdec.proposers  # noqa: F401  (registers the proposers parse_proposer_spec checks names against)
 from quant.calibration import CalibConfig
 from quant.kvcache import KVQuantSpec, parse_kv_spec
+from quant.rotation import check_rotation, parse_rotate
 from quant.scheme import QuantScheme, parse_scheme
 from runtime.errors import UserError
 from runtime.hardware import device_kind
@@ -32,7 +33,7 @@ DTYPES = ("bf16", "fp32")
 OBSERVERS = ("mse", "minmax", "percentile")
 # fields stored only when they differ from their default (keeps stored dicts of older studies comparable)
 _OPTIONAL = {"dtype": DEFAULT_DTYPE, "attention": None, "device": "cpu", "smoothquant": None, "observer": "mse",
-             "calib": None}
+             "calib": None, "rotate": None}
 
 
 def _none(text) -> str:
@@ -60,6 +61,7 @@ class Config:
     smoothquant: float | None = None  # SmoothQuant alpha (W8A8 schemes)
     observer: str = "mse"  # static activation-scale observer
     calib: CalibConfig | None = None  # calibration set of calibrated methods / static scales (None: default)
+    rotate: str | None = None  # rotation before quantizing the weights (quant/rotation.py: hadamard), None = none
 
     # parsed once, from the strings above
     scheme: QuantScheme = field(init=False, repr=False, compare=False)
@@ -92,9 +94,18 @@ class Config:
             raise UserError(f"unknown observer {self.observer!r}: use one of {', '.join(OBSERVERS)}")
         if self.smoothquant is not None and not 0 < float(self.smoothquant) < 1:
             raise UserError(f"SmoothQuant alpha must be in (0, 1), got {self.smoothquant}")
+        rotate = parse_rotate(self.rotate)
+        if rotate is not None:
+            if weights == NONE:
+                raise UserError(f"--rotate {rotate} rotates before quantizing: give a weight scheme (e.g. "
+                                "w4g32-sym_a4tok-dyn)")
+            if self.smoothquant is not None or (acts is not None and not acts.dynamic):
+                raise UserError(f"--rotate {rotate} with SmoothQuant or static activation scales is not built: use "
+                                "dynamic activations (a8tok-dyn, a4tok-dyn) without --smoothquant")
+            check_rotation(rotate, self.method or "rtn")
         for name, value in (("weights", weights), ("activations", activations), ("kv", kv),
                             ("proposer", spec.label if spec else NONE), ("k", None if k is None else int(k)),
-                            ("method", (self.method or "rtn") if weights != NONE else None),
+                            ("method", (self.method or "rtn") if weights != NONE else None), ("rotate", rotate),
                             ("scheme", scheme), ("kv_spec", kv_spec), ("proposer_spec", spec)):
             object.__setattr__(self, name, value)
 
@@ -179,10 +190,13 @@ class Config:
 
     @property
     def method_key(self) -> str:
-        """The method with everything else that changes the weights (calibration set, SmoothQuant, observer)."""
+        """The method with everything else that changes the weights (calibration set, rotation, SmoothQuant,
+        observer)."""
         if not self.quantized_weights:
             return "-"
         key = self.method if self.calib is None else f"{self.method}[{self.calib.label}]"
+        if self.rotate is not None:
+            key += f"+rot-{self.rotate}"
         if self.smoothquant is not None:
             key += f"+sq{self.smoothquant:g}"
         if self.static_activations:
@@ -203,6 +217,8 @@ class Config:
     @property
     def label(self) -> str:
         parts = [self.scheme_label + (f"+{self.method}" if self.method else "")]
+        if self.rotate is not None:
+            parts.append(f"rot-{self.rotate}")
         if self.smoothquant is not None:
             parts.append(f"sq{self.smoothquant:g}")
         if self.kv != NONE:

@@ -114,7 +114,7 @@ def report_config(config: EvalConfig) -> dict:
     quantized weights), the run settings, and ``Config.to_dict`` under ``config``."""
     point = config.config
     scheme = point.scheme_label if point.quantized_weights else None
-    return {"model": point.model, "scheme": scheme, "method": point.method,
+    return {"model": point.model, "scheme": scheme, "method": point.method, "rotate": point.rotate,
             "kv": None if point.kv == NONE else point.kv,
             "backend": point.backend, "dtype": point.dtype, "calib": str(point.calib) if point.calib else None,
             **config.run_fields(), "config": point.to_dict()}
@@ -169,7 +169,7 @@ class EvalReport:
             "higher_is_better": {t: info[t].get("higher_is_better", {}) for t in sorted(info)},
             "n-samples": {t: {"original": info[t].get("n_original"), "effective": r.n} for t, r in self.tasks.items()},
             "config": {"model": f"quantspec-{cfg.get('backend')}", "model_args": {
-                           k: cfg.get(k) for k in ("model", "scheme", "method", "kv", "dtype", "calib")},
+                           k: cfg.get(k) for k in ("model", "scheme", "method", "rotate", "kv", "dtype", "calib")},
                        "batch_size": None, "batch_sizes": [], "device": None, "use_cache": None,
                        "limit": cfg.get("limit"), "bootstrap_iters": LM_EVAL_BOOTSTRAP_ITERS, "gen_kwargs": None,
                        "random_seed": cfg.get("seed"), "numpy_seed": cfg.get("seed"), "torch_seed": cfg.get("seed"),
@@ -500,7 +500,8 @@ def _record(config, path, model_hash, tests, comparison, fidelity, verdict, note
                                    source=f"lm-eval tasks, limit={config.limit}, fewshot={config.fewshot}",
                                    fixed_output_length=True),
         arrival=ArrivalProcess(kind="offline scoring"),
-        engine=EngineCondition(point.backend, {"method": point.method, "kv": point.kv, "dtype": point.dtype},
+        engine=EngineCondition(point.backend, {"method": point.method, "rotate": point.rotate, "kv": point.kv,
+                                               "dtype": point.dtype},
                                warmup="none (accuracy, not speed)", cache_warmth="n/a"),
         metric=MetricCondition(
             {"acc": "lm-eval acc (argmax of summed loglikelihood over choices)",

@@ -14,6 +14,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
 from quant.calibration import CalibConfig
 from quant.methods import get_method
 from quant.quantize import plan_layers, quantize_model, quantize_w8a8
+from quant.rotation import check_rotation, parse_rotate
 from quant.scheme import WeightSpec, parse_scheme
 from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt
@@ -49,13 +50,14 @@ def sequence_logits(lm: LoadedModel, seqs: list[list[int]]) -> torch.Tensor:
 def quant_record(model: str, lm: LoadedModel, report, fidelity: FidelityStats, caveat: str) -> RunRecord:
     return RunRecord(
         name="quantize",
-        model=ModelCondition(model, weights_hash(lm.path), f"{report.scheme.label} ({report.dtype} activations)",
+        model=ModelCondition(model, weights_hash(lm.path), f"{report.scheme.label} ({report.dtype} activations"
+                             + (f", rotated: {report.rotate})" if report.rotate else ")"),
                              scheme=report.scheme.label, note=caveat),
         hardware=hardware_info(lm.model),
         lengths=LengthDistribution(len(FIDELITY_PROMPTS), {"source": "chat prompts"},
                                    {"fixed": FIDELITY_NEW_TOKENS}, "built-in fidelity prompts", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native", {"method": report.method, "kernels": report.kernels,
+        engine=EngineCondition("native", {"method": report.method, "rotate": report.rotate, "kernels": report.kernels,
                                           "simulated": report.simulated}),
         metric=MetricCondition(
             {"mean_kl": "mean over positions of KL(p_fp || p_quant), teacher-forced on the fp model's greedy text",
@@ -79,12 +81,19 @@ class Quantized:
 
 
 def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: CalibConfig | None = None,
-             out: Path | str | None = None, overwrite: bool = False, dtype: str = DEFAULT_DTYPE) -> Quantized:
+             out: Path | str | None = None, overwrite: bool = False, dtype: str = DEFAULT_DTYPE,
+             rotate: str | None = None) -> Quantized:
     """Quantize ``model``'s Linear layers with ``scheme`` (preset like W4A16 or label like w4g32-asym) and weight
     ``method`` (rtn, mse, gptq, awq or a registered one); ``calib`` for methods that need calibration
-    (default: wikitext2, 128 x 512); ``out``: also write a compressed-tensors checkpoint there."""
+    (default: wikitext2, 128 x 512); ``rotate`` (``hadamard``) rotates the model first (quant/rotation.py);
+    ``out``: also write a compressed-tensors checkpoint there."""
     parsed = parse_scheme(scheme)
     weight_method = get_method(method, parsed.weights)
+    check_rotation(rotate, method)
+    static = parsed.activations is not None and not parsed.activations.dynamic
+    if static and parse_rotate(rotate) is not None:
+        raise UserError(f"--rotate {rotate} with static activation scales is not built: use dynamic activations "
+                        "(a8tok-dyn) or --rotate none")
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not overwrite:
         raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --output-dir")
@@ -96,11 +105,11 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     ref_logits = sequence_logits(lm, seqs)
     if weight_method.needs_calibration:
         logger.info("collecting calibration statistics for %s (%s)", method, (calib or CalibConfig()).label)
-    if parsed.activations is not None and not parsed.activations.dynamic:  # calibrated input scales (mse observer)
+    if static:  # calibrated input scales (mse observer)
         report = quantize_w8a8(lm, parsed, method, calib)
     else:
         needs = weight_method.needs_calibration
-        report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if needs else None)
+        report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if needs else None, rotate=rotate)
     logger.info("fidelity of the quantized model")
     fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))
     caveat = SMOLLM2.note + INTEGER_ZERO_CAVEAT if is_default_model(lm.path) and parsed.weights == Q4_1_GRID else ""

@@ -1,4 +1,4 @@
-"""Activation quantization: range observers (registry by name) and int8 / fp8 activation quantizers (the
+"""Activation quantization: range observers (registry by name) and int8 / fp8 / int4 activation quantizers (the
 microscaling formats' dynamic group quantizer is compressed-tensors' own, in ``quant.microscale``).
 
 Observers watch a stream of rows ``x [n, k]`` and return a clipping range (an absolute max) per column ``[k]``
@@ -155,17 +155,28 @@ def quantize_per_token(x: torch.Tensor, spec: ActSpec = ActSpec()) -> tuple[torc
     return _codes(x, scale, spec), scale
 
 
+def quantize_per_group(x: torch.Tensor, spec: ActSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per group of ``spec.group_size`` columns -> (codes [.., n_groups, group_size],
+    s [.., n_groups, 1] fp32): ``quantize_per_token`` on each group."""
+    return quantize_per_token(x.unflatten(-1, (-1, spec.group_size)), spec)
+
+
+DYNAMIC = {"token": quantize_per_token, "group": quantize_per_group}  # granularity -> dynamic quantizer
+
+
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, spec: ActSpec = ActSpec(8, "tensor", False)):
     """Static symmetric codes with one calibrated scale."""
     return _codes(x, scale, spec)
 
 
 def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
-    """(codes in ``spec.code_dtype``, scale broadcastable to x) for a Linear input, per ``spec``."""
+    """(codes in ``spec.code_dtype``, scale broadcastable to the codes) for a Linear input, per ``spec``; per-group
+    codes have a group axis (``quantize_per_group``)."""
     if spec.dynamic:
-        if spec.granularity != "token":
-            raise UserError("dynamic activation scales are per-token only: use a8tok-dyn, or a8t-static")
-        return quantize_per_token(x, spec)
+        if spec.granularity not in DYNAMIC:
+            raise UserError("dynamic activation scales are per-token or per-group only: use a8tok-dyn, a4g32-dyn, "
+                            "or a8t-static")
+        return DYNAMIC[spec.granularity](x, spec)
     if input_scale is None:
         raise UserError("static activation scales need calibration: run calibration first or use a8tok-dyn")
     return quantize_per_tensor(x, input_scale, spec), input_scale.reshape(1)
@@ -178,7 +189,7 @@ def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.
 
         return quant.microscale.fake_quantize_activation(x, spec)
     q, scale = quantize_activation(x, spec, input_scale)
-    return (q.float() * scale).to(x.dtype)
+    return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
 
 def input_scale_from_range(absmax: torch.Tensor, act: ActSpec = STATIC_INT8) -> torch.Tensor:

@@ -11,7 +11,9 @@ compressed-tensors' own compressors (the format is the one it infers for the sch
 atomically (temp dir + rename).
 
 ``load_quantized`` (called by ``runtime.loading.load_model``) rebuilds the native model with real kernels;
-a save/load round trip is bit-exact because checkpoints hold exactly what each kernel exports.
+a save/load round trip is bit-exact because checkpoints hold exactly what each kernel exports. A rotated model
+(quant/rotation.py) is saved untied with its rotation under ``quantspec_rotation`` in config.json; the loader
+recreates its online R4 from it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from runtime.loading import build_model, load_state_dict
 from quant.microscale import ct_args, loaded_scale, stored_scale
 from quant.qlinear import QuantizedLinear
 from quant.qmath import dequantize
+from quant.rotation import CONFIG_KEY, reinstall
 from quant.scheme import NUMBER_TYPES, ActSpec, QuantScheme, WeightSpec, parse_scheme
 from quant.w8a8 import set_static_input_scales
 from runtime.transformer import Transformer
@@ -135,8 +138,11 @@ def save_compressed(lm, report_or_scheme, out_dir: str | Path, overwrite: bool =
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = {k: v for k, v in lm.config.items() if k != "quantization_config"}
+        config = {k: v for k, v in lm.config.items() if k not in ("quantization_config", CONFIG_KEY)}
         config["torch_dtype"] = config["dtype"] = DTYPE_NAMES[lm.dtype]
+        config["tie_word_embeddings"] = tied  # a rotation unties the LM head
+        if model.rotation is not None:
+            config[CONFIG_KEY] = model.rotation
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         ModelCompressor(quantization_config=qconfig).update_config(str(tmp))
         lm.tokenizer.save_pretrained(tmp)
@@ -211,5 +217,7 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
                                                    scheme.activations, dtype, global_scale=gscale))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
+    if CONFIG_KEY in config:  # R1 and R2 are in the weights; R4 runs online
+        reinstall(model, config[CONFIG_KEY])
     return model.eval()
 

@@ -1,5 +1,6 @@
-"""Quantize a loaded model in place: pick the Linear layers, calibrate if the method needs it, replace each layer
-by a ``QuantizedLinear`` running the best registered kernel, and report what happened per layer."""
+"""Quantize a loaded model in place: rotate it if asked (``rotate``: quant/rotation.py), pick the Linear layers,
+calibrate if the method needs it, replace each layer by a ``QuantizedLinear`` running the best registered kernel,
+and report what happened per layer."""
 from __future__ import annotations
 
 import copy
@@ -20,6 +21,7 @@ from quant.methods import LayerStats, get_method
 from quant.smoothquant import apply_smoothquant
 from quant.w8a8 import STATIC_NEEDS, dynamic_twin, runs_static, set_static_input_scales
 from quant.qlinear import QuantizedLinear
+from quant.rotation import apply_rotation, check_rotation
 from quant.scheme import QuantScheme, check_group_fits, is_ignored, padded_width, parse_scheme
 
 
@@ -47,6 +49,7 @@ class QuantReport:
     dense: list[str]  # Linear layers left unquantized (ignored or tied to the embedding)
     transform: dict
     seconds: float
+    rotate: str | None = None  # the rotation applied before quantization (quant/rotation.py), None for none
 
     @property
     def simulated(self) -> bool:
@@ -119,8 +122,9 @@ def _output_error(stats: LayerStats | None, w: torch.Tensor, w_hat: torch.Tensor
 
 @torch.no_grad()
 def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
-                   progress: bool = True) -> QuantReport:
-    """Replace ``lm.model``'s Linear layers by quantized ones in place (see module docstring)."""
+                   progress: bool = True, rotate: str | None = None) -> QuantReport:
+    """Replace ``lm.model``'s Linear layers by quantized ones in place (see module docstring); ``rotate``
+    (``hadamard``) rotates the full-precision model first, so calibration and the method see rotated weights."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.weights is None:
         raise UserError("scheme 'none' quantizes nothing: pick a weight scheme such as W8A16 or w4g32-asym")
@@ -128,8 +132,11 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         raise UserError(f"{scheme.label}: static activation scales need calibrated input scales, which "
                         "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
     weight_method = get_method(method, scheme.weights)
+    check_rotation(rotate, method)
     spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
-    names, dense = plan_layers(lm, scheme)
+    plan_layers(lm, scheme)  # refusals before the rotation changes the model
+    rotation = apply_rotation(lm, rotate)
+    names, dense = plan_layers(lm, scheme)  # a rotation unties a tied LM head
     modules = dict(model.named_modules())
 
     stats: dict[str, LayerStats] = {}
@@ -138,7 +145,7 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         calib = calib or CalibConfig()
         calib_label = calib.label
         stats = collect_layer_stats(lm, calibration_batches(calib, lm), names, need=weight_method.needs)
-    transform_info = weight_method.transform(lm, stats, spec)
+    transform_info = weight_method.transform(lm, stats, spec) | ({"rotation": rotation} if rotation else {})
 
     layers = []
     for name in track(names, description=f"quantizing {scheme.label} ({method})", disable=not progress,
@@ -163,7 +170,7 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
             ((w - w_hat).norm() / w.norm().clamp_min(1e-12)).item(), _output_error(stats.get(name), w, w_hat),
             time.perf_counter() - t0, result.info))
     return QuantReport(scheme, method, lm.precision, calib_label, layers, dense, transform_info,
-                       time.perf_counter() - t_start)
+                       time.perf_counter() - t_start, rotation.get("rotate"))
 
 
 QUANTIZED_CACHE_SIZE = 3
@@ -171,16 +178,16 @@ _quantized_models: dict[tuple, tuple[nn.Module, QuantReport]] = {}
 
 
 def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
-                   progress: bool = True) -> QuantReport:
+                   progress: bool = True, rotate: str | None = None) -> QuantReport:
     """``quantize_model`` for a model just loaded from ``lm.path``: the result is memoised per (checkpoint,
-    dtype, scheme, method, calibration set) in this process, so a search that evaluates quality, speed and a
-    greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy, with the
+    dtype, scheme, method, calibration set, rotation) in this process, so a search that evaluates quality, speed
+    and a greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy, with the
     attention ``lm`` was loaded with (a runtime choice, not part of the quantized weights)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     calib_label = calib.label if calib is not None else "default"
-    key = (str(lm.path), lm.dtype, scheme.label, method, calib_label)
+    key = (str(lm.path), lm.dtype, scheme.label, method, calib_label, rotate)
     if key not in _quantized_models:
-        report = quantize_model(lm, scheme, method, calib, progress)
+        report = quantize_model(lm, scheme, method, calib, progress, rotate)
         _quantized_models[key] = (copy.deepcopy(lm.model), report)
         while len(_quantized_models) > QUANTIZED_CACHE_SIZE:
             _quantized_models.pop(next(iter(_quantized_models)))

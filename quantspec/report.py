@@ -262,7 +262,8 @@ def print_decode_comparison(record) -> None:
 def print_quantized(q) -> None:
     """``quantspec quantize``: per-kernel sizes and errors, time, fidelity, caveat, where the checkpoint went."""
     report, fidelity, out, caveat = q.report, q.fidelity, q.checkpoint, q.caveat
-    table = Table(title=f"{report.scheme.label} via {report.method} ({report.dtype} activations), "
+    rotated = f" rotated ({report.rotate})" if report.rotate else ""
+    table = Table(title=f"{report.scheme.label} via {report.method}{rotated} ({report.dtype} activations), "
                         f"{len(report.layers)} layers quantized, {len(report.dense)} kept dense")
     for col in ("kernel", "layers", "real low-bit", "weight MiB before", "MiB after", "mean rel. weight error"):
         table.add_column(col, justify="right")

@@ -148,15 +148,29 @@ def batch_invariant_attention(q, k, v, mask):
     return out.view(bsz, n_heads, seqlen, head_dim)
 
 
+class OnlineRotation(nn.Module):
+    """``x -> x @ matrix`` in fp32: an orthogonal transform a rotated model applies at run time (quant/rotation.py;
+    one dense matmul, no fast-transform kernel)."""
+
+    def __init__(self, matrix: torch.Tensor):
+        super().__init__()
+        self.register_buffer("matrix", matrix.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.matrix).to(x.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = PackedLinear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = PackedLinear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = PackedLinear(args.intermediate_size, args.dim, bias=False)
+        self.down_input: OnlineRotation | None = None  # rotated models: the online transform of down_proj's input
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h if self.down_input is None else self.down_input(h))
 
 
 class Block(nn.Module):
@@ -188,6 +202,7 @@ class Transformer(nn.Module):
         self.batch = 0
         self.exit_layer: int | None = None  # layer-skip self-drafting: run only the first N layers
         self.attn_implementation = attention  # a name in ATTENTION; "eager" is batch-invariant (exact speculation)
+        self.rotation: dict | None = None  # what quant/rotation.py applied (exports record it)
 
     def setup_cache(self, batch: int, max_len: int, cache_factory=None) -> None:
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``

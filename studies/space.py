@@ -1,4 +1,4 @@
-"""The search space: backend x weight scheme (+ method) x activation scheme x KV scheme x proposer x K.
+"""The search space: backend x weight scheme (+ method, rotation) x activation scheme x KV scheme x proposer x K.
 
 Declared in a small YAML file (``studies/spaces/*.yaml``) and overridable by CLI flags. Each Optuna trial
 samples one ``evals.config.Config``; a combination Config itself refuses (activations without a weight scheme,
@@ -24,6 +24,8 @@ from serving.backends import BACKENDS
 from serving.backends.base import ServingConfig
 from evals.config import NONE, Config, parse_activations
 from quant.kvcache import parse_kv_spec
+from quant.rotation import hadamard_matrices, parse_rotate
+from runtime.transformer import ModelArgs
 from quant.scheme import parse_scheme
 from specdec.proposers.base import MAX_K, check_proposer_spec
 
@@ -43,6 +45,7 @@ class SearchSpace:
     proposers: list[str] = field(default_factory=lambda: [NONE])
     k: tuple[int, int] = (1, 8)
     smoothquant: list = field(default_factory=lambda: [NONE])  # SmoothQuant alphas (W8A8 activations only)
+    rotate: list = field(default_factory=lambda: [NONE])  # rotations before quantizing (quant/rotation.py)
 
     def __post_init__(self):
         for name in ("backends", "weights", "methods", "activations", "kv", "proposers"):
@@ -64,6 +67,8 @@ class SearchSpace:
             check_proposer_spec(p, self.model)
         sq = self.smoothquant if isinstance(self.smoothquant, (list, tuple)) else [self.smoothquant]
         self.smoothquant = [NONE if v in (None, NONE) else float(v) for v in sq] or [NONE]
+        rotations = [self.rotate] if isinstance(self.rotate, str) or self.rotate is None else self.rotate
+        self.rotate = [parse_rotate(r) or NONE for r in rotations] or [NONE]
         k = list(self.k) if isinstance(self.k, (list, tuple)) else [self.k, self.k]
         if len(k) != 2 or not 1 <= int(k[0]) <= int(k[1]) <= MAX_K:
             raise UserError(f"k must be a range [low, high] with 1 <= low <= high <= {MAX_K} (K, draft tokens per "
@@ -75,7 +80,8 @@ class SearchSpace:
         """Number of distinct points (K counted only for speculative points)."""
         n_weights = sum(len(self.methods) if w != NONE else 1 for w in self.weights)
         n_spec = sum((self.k[1] - self.k[0] + 1) if p != NONE else 1 for p in self.proposers)
-        return len(self.backends) * n_weights * len(self.activations) * len(self.kv) * n_spec * len(self.smoothquant)
+        return (len(self.backends) * n_weights * len(self.activations) * len(self.kv) * n_spec * len(self.smoothquant)
+                * len(self.rotate))
 
     def reference(self) -> Config:
         """The unquantized, non-speculative point on the first backend: the speedup and accuracy baseline."""
@@ -89,6 +95,9 @@ class SearchSpace:
         if self.smoothquant != [NONE]:  # a conditional parameter only in spaces that list alphas
             alpha = trial.suggest_categorical("smoothquant", self.smoothquant)
             extra["smoothquant"] = None if alpha == NONE else alpha
+        if self.rotate != [NONE] and weights != NONE:  # likewise: only in spaces that list rotations
+            rotation = trial.suggest_categorical("rotate", self.rotate)
+            extra["rotate"] = None if rotation == NONE else rotation
         return Config(
             model=self.model,
             backend=trial.suggest_categorical("backend", self.backends),
@@ -112,12 +121,15 @@ class SearchSpace:
             params["k"] = config.k
         if config.smoothquant is not None:
             params["smoothquant"] = config.smoothquant
+        if config.rotate is not None:
+            params["rotate"] = config.rotate
         return params
 
     def to_dict(self) -> dict:
         out = {**asdict(self), "k": list(self.k)}
-        if self.smoothquant == [NONE]:
-            out.pop("smoothquant")  # stored spaces of older studies stay comparable
+        for name in ("smoothquant", "rotate"):
+            if out[name] == [NONE]:
+                out.pop(name)  # stored spaces of older studies stay comparable
         return out
 
 
@@ -194,6 +206,14 @@ def _groups_fit_model(config: Config) -> str | None:
     for name, width in (("q/k/v/gate/up_proj", cfg["hidden_size"]), ("down_proj", cfg["intermediate_size"]),
                         ("o_proj", cfg["num_attention_heads"] * head_dim)):
         check_group_fits(scheme, name, width)
+    return None
+
+
+@register_check("rotation")
+def _rotation_fits_model(config: Config) -> str | None:
+    """A rotation needs Hadamard matrices of the model's hidden, head and intermediate sizes."""
+    if config.rotate is not None:
+        hadamard_matrices(ModelArgs.from_hf_config(read_config(resolve_model(config.model))))
     return None
 
 

@@ -43,6 +43,7 @@ def search_scale(group: FoldGroup, stats: LayerStats, spec: WeightSpec, n_grid: 
 class AWQ(WeightMethod):
     name, types = "awq", ("int", "float", "mxfp", "nvfp")
     needs = ("abs_mean", "samples")
+    rotation_refusal = "its up_proj -> down_proj scale fold would cross the online R4 rotation"
 
     def __init__(self, n_grid: int = 20):
         self.n_grid = n_grid

@@ -79,6 +79,7 @@ class WeightMethod:
     name: str = ""
     needs: tuple[str, ...] = ()
     types: tuple[str, ...] = ("int",)  # number types (quant.scheme.NUMBER_TYPES) of the codes it can produce
+    rotation_refusal: str | None = None  # why it cannot run on a rotated model (quant/rotation.py), if it cannot
 
     @property
     def needs_calibration(self) -> bool:

@@ -7,7 +7,7 @@ import logging
 
 import typer
 
-from quantspec import DEFAULT_DTYPE, SCHEME_PRESETS, UserError
+from quantspec import DEFAULT_DTYPE, ROTATIONS, SCHEME_PRESETS, UserError
 from quantspec.report import set_verbosity
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -17,6 +17,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 
 SCHEME_HELP = f"Preset ({', '.join(SCHEME_PRESETS)}) or label (w4g32-asym, wfp8ch-sym_afp8tok-dyn, wnvfp4g16-sym)."
+ROTATE_HELP = (f"Rotate before quantizing: none or {', '.join(ROTATIONS)} (QuaRot-style: R1, R2 fused into the "
+               "weights, R4 online before down_proj; with rtn, gptq, mse; native only).")
 
 
 def flag(*names: str, help: str) -> typer.models.OptionInfo:

@@ -7,7 +7,8 @@ import typer
 
 import quantspec
 from quantspec import Config, ServingConfig
-from quantspec.cli.app import SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, app, compile_option, pick_model
+from quantspec.cli.app import (ROTATE_HELP, SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, app,
+                               compile_option, pick_model)
 from quantspec.report import note, print_bench, print_caveat, progress
 
 
@@ -53,6 +54,7 @@ def bench(
     data_dir: str = DataDirOption,
     smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
                                       help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
+    rotate: str = typer.Option("none", "--rotate", help=ROTATE_HELP),
     compile: str = compile_option("auto"),
 ):
     """Measure MODEL's effective output tokens/s, latency percentiles, goodput and (speculative) α, τ, speedup."""
@@ -60,7 +62,7 @@ def bench(
     loads = quantspec.LoadSpec.parse(concurrency, rate, burstiness)
     slo = quantspec.SLO.parse(goodput) if goodput else quantspec.SLO()
     spec_configs = [ServingConfig(Config.parse(model=model, scheme=scheme, method=method, kv=kv, spec=spec, k=one_k,
-                                               backend=backend, smoothquant=smoothquant),
+                                               backend=backend, smoothquant=smoothquant, rotate=rotate),
                                   temperature=temperature, max_model_len=max_model_len, port=port, compile=compile)
                     for one_k in quantspec.parse_ks(k)]
     config = spec_configs[0]

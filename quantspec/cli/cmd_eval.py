@@ -5,8 +5,8 @@ import typer
 
 import quantspec
 from quantspec import Config, EvalConfig
-from quantspec.cli.app import (SCHEME_HELP, DataDirOption, DtypeOption, ModelArgument, ModelOption, app, flag,
-                               pick_model)
+from quantspec.cli.app import (ROTATE_HELP, SCHEME_HELP, DataDirOption, DtypeOption, ModelArgument, ModelOption,
+                               app, flag, pick_model)
 from quantspec.report import note, print_backend_comparison, print_eval_report
 
 
@@ -34,6 +34,7 @@ def eval_command(
     data_dir: str = DataDirOption,
     smoothquant: float = typer.Option(None, "--smoothquant", metavar="ALPHA",
                                       help="SmoothQuant alpha before a W8A8 scheme (e.g. 0.5); native only."),
+    rotate: str = typer.Option("none", "--rotate", help=ROTATE_HELP),
     compare: bool = flag("--compare-backends",
                          help="Score the configuration natively and through vLLM (same weights, dtype and "
                               "items) and list the items whose answers differ."),
@@ -41,7 +42,7 @@ def eval_command(
     """Accuracy ± stderr, Δ vs the unquantized reference with a paired-bootstrap CI, flips, KL, PPL, verdict."""
     model = pick_model(model, model_option)
     point = Config.parse(model=model, scheme=scheme, method=method, kv=kv, backend=backend, smoothquant=smoothquant,
-                         dtype=dtype)
+                         rotate=rotate, dtype=dtype)
     config = EvalConfig(point, tasks=tasks, limit=limit, fewshot=fewshot, floor=floor, confidence=confidence,
                         seed=seed, data_dir=data_dir, include_path=tuple(include_path), reference=not no_reference,
                         reference_model=reference_model, fidelity_windows=fidelity_windows)

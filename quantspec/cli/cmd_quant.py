@@ -7,8 +7,8 @@ import typer
 
 import quantspec
 from quantspec.report import note, print_quantized
-from quantspec.cli.app import (SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, OutputPathOption, app, flag,
-                               pick_model)
+from quantspec.cli.app import (ROTATE_HELP, SCHEME_HELP, DataDirOption, ModelArgument, ModelOption, OutputPathOption,
+                               app, flag, pick_model)
 
 @app.command()
 def quantize(
@@ -16,6 +16,7 @@ def quantize(
     model_option: str = ModelOption,
     scheme: str = typer.Option(..., "--scheme", "-s", help=SCHEME_HELP),
     method: str = typer.Option("rtn", help="Weight method: rtn, mse, gptq, awq."),
+    rotate: str = typer.Option("none", "--rotate", help=ROTATE_HELP),
     calib: str = typer.Option("wikitext2", help="Calibration text: wikitext2, self, or PATH.jsonl."),
     calib_samples: int = typer.Option(128, "--calib-samples"),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen"),
@@ -30,7 +31,7 @@ def quantize(
     """Quantize MODEL's Linear layers, print size, time, kernels and fidelity, optionally export."""
     model = pick_model(model, model_option)
     q = quantspec.quantize(model, scheme, method, quantspec.CalibConfig(calib, calib_samples, calib_seqlen, data_dir=data_dir),
-                           out, overwrite, dtype)
+                           out, overwrite, dtype, rotate)
     print_quantized(q)
     if json_out is not None:
         q.record.write(json_out)

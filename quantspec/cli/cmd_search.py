@@ -36,6 +36,7 @@ def search(
     weights: str = typer.Option(None, "--scheme", help="Comma list of weight schemes, e.g. none,w8ch-sym,w4g32-asym."),
     methods: str = typer.Option(None, "--method", help="Comma list of weight methods, e.g. rtn,gptq."),
     activations: str = typer.Option(None, "--activations", help="Comma list of activation schemes, e.g. none,a8tok-dyn."),
+    rotate: str = typer.Option(None, "--rotate", help="Comma list of rotations before quantizing, e.g. none,hadamard."),
     kv: str = typer.Option(None, "--kv", help="Comma list of KV-cache formats, e.g. none,int8."),
     proposers: str = typer.Option(None, "--spec", help="Comma list of proposer specs, e.g. none,ngram."),
     k: str = typer.Option(None, "--k", help="Draft lengths to sample from, a range LOW-HIGH, e.g. 1-8."),
@@ -84,7 +85,8 @@ def search(
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
     require_optuna("quantspec search")
     overrides = {"model": model, "backends": _split(backends), "weights": _split(weights), "methods": _split(methods),
-                 "activations": _split(activations), "kv": _split(kv), "proposers": _split(proposers), "k": _k_range(k)}
+                 "activations": _split(activations), "rotate": _split(rotate), "kv": _split(kv),
+                 "proposers": _split(proposers), "k": _k_range(k)}
     given = space is not None or any(v is not None for v in overrides.values())
     settings = quantspec.SearchSettings(
         space=quantspec.load_space(space or "default", **overrides) if given else None, floor=floor, n_trials=n_trials,

@@ -43,7 +43,7 @@ class ServingConfig:
         """As recorded (RunRecord.engine.config["serving_config"]): the point's fields as ``Config`` holds them,
         ``spec`` (the proposer, None without speculation) and ``k``, the run settings, ``Config.to_dict``."""
         c = self.config
-        return {"model": c.model, "scheme": c.scheme_label, "method": c.method, "kv": c.kv,
+        return {"model": c.model, "scheme": c.scheme_label, "method": c.method, "rotate": c.rotate, "kv": c.kv,
                 "spec": c.proposer if c.speculative else None, "k": c.k, "backend": c.backend,
                 "temperature": self.temperature, "max_model_len": self.max_model_len, "threads": self.threads,
                 "port": self.port, "compile": self.compile, "config": c.to_dict()}

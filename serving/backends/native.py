@@ -104,7 +104,7 @@ class NativeBackend(Backend):
         point = self.config.config
         return {"runtime": "native PyTorch (quant/ + specdec/)", "dtype": "bf16",
                 "attention": self.lm.model.attn_implementation, "scheme": self.scheme_info,
-                "method": point.method if self.quant_report else None,
+                "method": point.method if self.quant_report else None, "rotate": point.rotate,
                 "kernels": self.quant_report.kernels if self.quant_report else None,
                 "kernels_run": kernels_used(self.lm.model), "kv": point.kv,
                 "compile": self.config.compile, "step": self.step_label, "compile_s": self.compile_s,

