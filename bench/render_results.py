@@ -228,6 +228,23 @@ def render_quant_decode(d: dict) -> str:
     ])
 
 
+@bench("w8a8_decode.*.json", "W8A8 decode: INT8 and FP8 kernels beside bf16", "bench/w8a8_decode.py",
+       "Batch-1 eager decode, each row paired with the resident bf16 model in interleaved rounds; FP8 with each of "
+       "its two products forced (`torch._scaled_mm`, the exact fp32 upcast) and as the probe picked. GB/s counts "
+       "the fp8 / int8 codes streamed per token; the fp32 upcast actually reads its cached fp32 weights (4 bytes "
+       "per weight).")
+def render_w8a8_decode(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["config"], kernels_text(x.get("kernels")), num(x["decode_tok_s"], 1),
+             with_ci(x["vs_bf16"], x["vs_bf16_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else ""),
+             num(x["achieved_gb_s"], 1), x["rounds"], "; ".join(x["kernel_details"])] for x in r["rows"]]
+    return "\n\n".join([
+        table(["config", "kernels (layers)", "tok/s", "vs bf16 [95% CI]", "GB/s achieved", "rounds",
+               "what ran"], rows),
+        bandwidth_line(r),
+    ])
+
+
 def bandwidth_line(r: dict) -> str:
     return (f"Read bandwidth {num(r['bandwidth_gb_s'], 2)} GB/s; load average (1/5/15 min) at the end "
             f"{' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.")
