@@ -231,7 +231,7 @@ def render_quant_decode(d: dict) -> str:
 @bench("w8a8_decode.*.json", "W8A8 decode: INT8 and FP8 kernels beside bf16", "bench/w8a8_decode.py",
        "Batch-1 eager decode, each row paired with the resident bf16 model in interleaved rounds; FP8 with each of "
        "its two products forced (`torch._scaled_mm`, the exact fp32 upcast) and as the probe picked. GB/s counts "
-       "the fp8 / int8 codes streamed per token; the fp32 upcast actually reads its cached fp32 weights (4 bytes "
+       "the fp8 / int8 codes streamed per token; the fp32 upcast actually reads its cached fp32 weights (four bytes "
        "per weight).")
 def render_w8a8_decode(d: dict) -> str:
     r = d["results"]
