@@ -68,11 +68,13 @@ def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
     UserError (in one line, from our specs' checks where the args are a format we know but do not run)."""
     w, a = group.weights, group.input_activations
     number = _number_type(w) if w is not None else None
-    if number is None or w.strategy not in ("tensor", "channel", "group", "tensor_group"):
+    square = w is not None and (w.block_structure is None or w.block_structure[0] == w.block_structure[1])
+    if number is None or w.strategy not in ("tensor", "channel", "group", "tensor_group", "block") or not square:
         raise UserError(f"compressed-tensors scheme {group.model_dump(exclude_none=True)} is not a weight "
                         "format quantspec runs natively; load it with the vllm backend instead")
     granularity = "group" if w.strategy == "tensor_group" else w.strategy
-    weights = WeightSpec(w.num_bits, w.symmetric, granularity, w.group_size, number)
+    size = w.block_structure[0] if w.strategy == "block" else w.group_size
+    weights = WeightSpec(w.num_bits, w.symmetric, granularity, size, number)
     acts = None
     if a is not None:
         a_number = _number_type(a)

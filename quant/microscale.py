@@ -35,12 +35,14 @@ def eager():
 
 def ct_args(spec: WeightSpec | ActSpec) -> QuantizationArgs:
     """Our weight or activation spec as compressed-tensors ``QuantizationArgs`` (its presets' fields for the MX/NV
-    formats)."""
+    formats, and ``block_structure`` for per-block weights)."""
     number = spec.number
     extra = {}
     if number.microscaled:
         extra = {"scale_dtype": number.scale_dtype, "zp_dtype": number.scale_dtype,
                  "strategy": "tensor_group" if number.global_scale else "group"}
+    elif spec.granularity == "block":
+        extra = {"block_structure": [spec.group_size, spec.group_size], "group_size": None}
     return QuantizationArgs(**{"num_bits": spec.bits, "type": number.ct_type, "symmetric": spec.symmetric,
                                "strategy": spec.granularity, "group_size": spec.group_size,
                                "dynamic": isinstance(spec, ActSpec) and spec.dynamic, **extra})

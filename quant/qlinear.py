@@ -378,8 +378,7 @@ class QuantizedLinear(nn.Module):
     def format_bytes(self) -> int:
         """Bytes of the stored format: packed codes + scales (+ int8 zero points when asymmetric, + the fp32
         global scale); microscaling formats store 1-byte scales."""
-        n_scales = {"tensor": 1, "channel": self.out_features}.get(
-            self.spec.granularity, self.out_features * self.padded_in // (self.spec.group_size or 1))
+        n_scales = self.export()[1].numel()
         codes = self.out_features * self.padded_in * self.spec.bits // 8
         scale_dtype = self.spec.number.scale_dtype
         scale_bytes = scale_dtype.itemsize if scale_dtype is not None else self.kernel.scale_bytes

@@ -6,11 +6,13 @@
 FP8 (E4M3, symmetric) is the same with the range ``[-448, 448]`` (``scale = absmax / 448``) and the rounding done
 by the cast to ``float8_e4m3fn`` (nearest, ties to even), as compressed-tensors does. The microscaling formats
 (MXFP4, MXFP8, NVFP4) take their scales and codes from compressed-tensors itself (``quant.microscale``).
-Scales/zeros have shape [out, n_groups] (per-group), [out, 1] (per-channel) or [1, 1] (per-tensor).
+Scales/zeros have shape [out, n_groups] (per-group), [out, 1] (per-channel), [1, 1] (per-tensor) or
+[ceil(out / b), ceil(in / b)] (per b x b block; partial blocks padded with zeros, as compressed-tensors pads them).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from runtime.errors import UserError
 from quant.scheme import WeightSpec
@@ -19,8 +21,13 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def group_view(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-    """Reshape [out, in] to [out, n_groups, group] so that per-group stats reduce over the last dim."""
+    """Reshape [out, in] to [out, n_groups, group] so that per-group stats reduce over the last dim (per-block:
+    [row blocks, column blocks, b * b], zero-padded; ``ungroup`` inverts it)."""
     out_f, in_f = w.shape
+    if spec.granularity == "block":
+        b = spec.group_size
+        w = F.pad(w, (0, -in_f % b, 0, -out_f % b))
+        return w.reshape(w.shape[0] // b, b, w.shape[1] // b, b).transpose(1, 2).reshape(w.shape[0] // b, -1, b * b)
     if spec.granularity == "group":
         if in_f % spec.group_size:
             raise UserError(f"group size {spec.group_size} does not divide input width {in_f}")
@@ -28,6 +35,15 @@ def group_view(w: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     if spec.granularity == "channel":
         return w.reshape(out_f, 1, in_f)
     return w.reshape(1, 1, -1)
+
+
+def ungroup(g: torch.Tensor, spec: WeightSpec, shape: torch.Size) -> torch.Tensor:
+    """``group_view``'s inverse: back to ``shape`` [out, in]."""
+    if spec.granularity != "block":
+        return g.reshape(shape)
+    b = spec.group_size
+    rows, cols = g.shape[0], g.shape[1]
+    return g.reshape(rows, cols, b, b).transpose(1, 2).reshape(rows * b, cols * b)[: shape[0], : shape[1]]
 
 
 def check_finite(w: torch.Tensor, what: str = "weight") -> None:
@@ -82,13 +98,13 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: Wei
         return _microscale().quantize(w, scale, spec)
     g = group_view(w.float(), spec)
     q = torch.clamp(spec.number.round(g / scale[..., None], spec.bits) + zero[..., None], spec.qmin, spec.qmax)
-    return q.reshape(w.shape).to(spec.code_dtype)
+    return ungroup(q, spec, w.shape).to(spec.code_dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = group_view(q.float(), spec)
-    return ((g - zero[..., None]) * scale[..., None]).reshape(q.shape).to(dtype)
+    return ungroup((g - zero[..., None]) * scale[..., None], spec, q.shape).to(dtype)
 
 
 def fake_quantize(w: torch.Tensor, spec: WeightSpec, clip_ratio: float | torch.Tensor = 1.0) -> torch.Tensor:

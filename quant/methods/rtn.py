@@ -6,6 +6,7 @@ from quant.qmath import compute_qparams, global_scale, quantize
 @register_method
 class RTN(WeightMethod):
     name, types = "rtn", ("int", "float", "mxfp", "nvfp")
+    granularities = ("tensor", "channel", "group", "block")
 
     def quantize_weight(self, weight, spec, stats=None):
         scale, zero = compute_qparams(weight, spec)
