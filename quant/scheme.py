@@ -288,10 +288,11 @@ def with_group_size(scheme: QuantScheme, group_size: int) -> QuantScheme:
 def check_group_fits(scheme: QuantScheme, name: str, in_features: int) -> None:
     """Refuse a group size that does not divide a layer's input width (unless padding was asked for); an
     activation group size must divide the (padded) width either way."""
-    act = scheme.activations
-    if act is not None and act.granularity == "group" and padded_width(scheme, in_features) % act.group_size:
-        raise UserError(f"activation group size {act.group_size} does not divide {name}'s input width "
-                        f"{padded_width(scheme, in_features)}; use a group size that divides it (e.g. a4g32-dyn)")
+    act, width = scheme.activations, padded_width(scheme, in_features)
+    if act is not None and act.granularity == "group" and width % act.group_size:
+        fits = [g for g in (16, 32, 64, 128, 256) if width % g == 0]
+        raise UserError(f"activation group size {act.group_size} does not divide {name}'s input width {width}; use "
+                        f"one that does (a{act.number.prefix}{act.bits}g<N>-dyn, N in {fits})")
     w = scheme.weights
     if w is None or w.granularity != "group" or in_features % w.group_size == 0 or scheme.pad:
         return
