@@ -6,11 +6,14 @@ on many items. Every run goes through ``evals.harness.evaluate`` (cached under $
 g16, each 4-bit row with the caveat of this model's Q4_1-dequantized body (bench/results/eval_fp4.json).
 ``--set rotation``: W4A8 and W4A4 (int4 activations per token, and per group of 32) each without and with
 ``--rotate hadamard`` (quant/rotation.py), RTN; the summary states KL(unrotated) / KL(rotated) per scheme
-(bench/results/eval_rotation.json). A configuration is ``method:scheme[:rotation]``.
+(bench/results/eval_rotation.json). ``--set fp8``: FP8 weights per channel and per 128-block (weight-only, and
+with dynamic per-token activations), FP8_DYNAMIC and static FP8 beside INT8 W8A8 (bench/results/eval_fp8.json).
+A configuration is ``method:scheme[:rotation]``.
 
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4 --limit 100
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set rotation --limit 200
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp8 --limit 100
 """
 from __future__ import annotations
 
@@ -32,8 +35,11 @@ CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", 
 FP4_CONFIGS = ("rtn:w4g32-asym", "rtn:w4g32-sym", "rtn:w4g16-sym", "rtn:MXFP4A16", "rtn:NVFP4A16")
 ROTATION_CONFIGS = tuple(f"rtn:{scheme}{rotation}" for scheme in ("w4g32-sym_a8tok-dyn", "w4g32-sym_a4tok-dyn",
                                                                   "w4g32-sym_a4g32-dyn") for rotation in ("", ":hadamard"))
+FP8_CONFIGS = ("rtn:FP8A16", "rtn:wfp8b128-sym", "rtn:FP8_DYNAMIC", "rtn:wfp8b128-sym_afp8tok-dyn", "rtn:FP8",
+               "rtn:W8A8")
 SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json"),
-        "rotation": (ROTATION_CONFIGS, "bench/results/eval_rotation.json")}
+        "rotation": (ROTATION_CONFIGS, "bench/results/eval_rotation.json"),
+        "fp8": (FP8_CONFIGS, "bench/results/eval_fp8.json")}
 Q4_1_ASYM = ("this body is Q4_1-dequantized (4-bit g32 grid with a float offset per block): int4-g32-asym's integer "
              "zero point cannot express that offset, so its re-quantization is NOT near-lossless")
 Q4_1_OTHER = "re-quantizes Q4_1-dequantized 4-bit weights: need not transfer to natively trained checkpoints"

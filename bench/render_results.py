@@ -521,6 +521,16 @@ def render_eval_fp4(d: dict) -> str:
     return render_eval_schemes(d, KERNEL_AND_CAVEAT)
 
 
+@bench("eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.py --set fp8",
+       "E4M3 weights per output channel (FP8A16) and per square block (`wfp8b…`: compressed-tensors' FP8_BLOCK "
+       "weights; the full preset's per-group activations do not fit this model's layer widths), weight-only and "
+       "with dynamic per-token E4M3 activations, compressed-tensors' FP8_DYNAMIC and static FP8 (one calibrated "
+       "input scale per layer, mse observer) beside INT8 W8A8 dynamic, RTN. Weight-only and block rows run the "
+       "`simulated` kernel (quality real, no speed claimed).")
+def render_eval_fp8(d: dict) -> str:
+    return render_eval_schemes(d, KERNEL_AND_CAVEAT)
+
+
 @bench("eval_rotation.json", "Hadamard rotation at W4A8 / W4A4: accuracy, flips, KL",
        "bench/eval_schemes.py --set rotation",
        "int4 g32 symmetric weights (RTN) with int8 per-token, int4 per-token and int4 per-group-of-32 dynamic "
