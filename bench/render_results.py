@@ -423,21 +423,17 @@ def render_act_quality(d: dict) -> str:
     return _act_rows(d["results"]["rows"])
 
 
-@bench("act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 beside static INT8",
-       "bench/act_quality.py --no-speed --rows \"fp32,W8A8 static mse,FP8 static minmax,FP8 static mse\" "
-       "--out bench/results/act_quality_fp8_static.json",
-       "compressed-tensors' `FP8` preset (E4M3 weights per tensor, one calibrated E4M3 input scale per layer) "
-       "beside static INT8 W8A8 with its best observer, same windows and calibration as the quality table above "
-       "(its `W8A8 static mse` row reproduces).")
-def render_act_quality_fp8_static(d: dict) -> str:
-    return _act_rows(d["results"]["rows"])
+bench("act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 beside static INT8",
+      "bench/act_quality.py --no-speed --rows \"fp32,W8A8 static mse,FP8 static minmax,FP8 static mse\" "
+      "--out bench/results/act_quality_fp8_static.json",
+      "compressed-tensors' `FP8` preset (E4M3 weights per tensor, one calibrated E4M3 input scale per layer) "
+      "beside static INT8 W8A8 with its best observer, same windows and calibration as the quality table above "
+      "(its `W8A8 static mse` row reproduces).")(render_act_quality)
 
 
-@bench("act_speed.json", "W8A8 activation quantization: speed", "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
-       "The `int8xint8` kernel (`torch._int_mm`) against dense fp32 and bf16 in the same run. The quality columns "
-       "here come from fewer windows than the quality table above, which is the quality result.")
-def render_act_speed(d: dict) -> str:
-    return _act_rows(d["results"]["rows"])
+bench("act_speed.json", "W8A8 activation quantization: speed", "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
+      "The `int8xint8` kernel (`torch._int_mm`) against dense fp32 and bf16 in the same run. The quality columns "
+      "here come from fewer windows than the quality table above, which is the quality result.")(render_act_quality)
 
 
 @bench("kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py",
@@ -521,14 +517,12 @@ def render_eval_fp4(d: dict) -> str:
     return render_eval_schemes(d, KERNEL_AND_CAVEAT)
 
 
-@bench("eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.py --set fp8",
-       "E4M3 weights per output channel (FP8A16) and per square block (`wfp8b…`: compressed-tensors' FP8_BLOCK "
-       "weights; the full preset's per-group activations do not fit this model's layer widths), weight-only and "
-       "with dynamic per-token E4M3 activations, compressed-tensors' FP8_DYNAMIC and static FP8 (one calibrated "
-       "input scale per layer, mse observer) beside INT8 W8A8 dynamic, RTN. Weight-only and block rows run the "
-       "`simulated` kernel (quality real, no speed claimed).")
-def render_eval_fp8(d: dict) -> str:
-    return render_eval_schemes(d, KERNEL_AND_CAVEAT)
+bench("eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.py --set fp8",
+      "E4M3 weights per output channel (FP8A16) and per square block (`wfp8b…`: compressed-tensors' FP8_BLOCK "
+      "weights; the full preset's per-group activations do not fit this model's layer widths), weight-only and "
+      "with dynamic per-token E4M3 activations, compressed-tensors' FP8_DYNAMIC and static FP8 (one calibrated "
+      "input scale per layer, mse observer) beside INT8 W8A8 dynamic, RTN. Weight-only and block rows run the "
+      "`simulated` kernel (quality real, no speed claimed).")(render_eval_fp4)
 
 
 @bench("eval_rotation.json", "Hadamard rotation at W4A8 / W4A4: accuracy, flips, KL",

@@ -95,14 +95,7 @@ class Config:
         if self.smoothquant is not None and not 0 < float(self.smoothquant) < 1:
             raise UserError(f"SmoothQuant alpha must be in (0, 1), got {self.smoothquant}")
         rotate = parse_rotate(self.rotate)
-        if rotate is not None:
-            if weights == NONE:
-                raise UserError(f"--rotate {rotate} rotates before quantizing: give a weight scheme (e.g. "
-                                "w4g32-sym_a4tok-dyn)")
-            if self.smoothquant is not None or (acts is not None and not acts.dynamic):
-                raise UserError(f"--rotate {rotate} with SmoothQuant or static activation scales is not built: use "
-                                "dynamic activations (a8tok-dyn, a4tok-dyn) without --smoothquant")
-            check_rotation(rotate, self.method or "rtn")
+        check_rotation(rotate, self.method or "rtn", scheme, self.smoothquant)
         for name, value in (("weights", weights), ("activations", activations), ("kv", kv),
                             ("proposer", spec.label if spec else NONE), ("k", None if k is None else int(k)),
                             ("method", (self.method or "rtn") if weights != NONE else None), ("rotate", rotate),
@@ -168,7 +161,7 @@ class Config:
 
     @property
     def static_activations(self) -> bool:
-        return self.scheme.activations is not None and not self.scheme.activations.dynamic
+        return self.scheme.static_activations
 
     @property
     def needs_w8a8_path(self) -> bool:

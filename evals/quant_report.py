@@ -14,7 +14,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
 from quant.calibration import CalibConfig
 from quant.methods import get_method
 from quant.quantize import plan_layers, quantize_model, quantize_w8a8
-from quant.rotation import check_rotation, parse_rotate
+from quant.rotation import check_rotation
 from quant.scheme import WeightSpec, parse_scheme
 from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt
@@ -89,11 +89,7 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     ``out``: also write a compressed-tensors checkpoint there."""
     parsed = parse_scheme(scheme)
     weight_method = get_method(method, parsed.weights)
-    check_rotation(rotate, method)
-    static = parsed.activations is not None and not parsed.activations.dynamic
-    if static and parse_rotate(rotate) is not None:
-        raise UserError(f"--rotate {rotate} with static activation scales is not built: use dynamic activations "
-                        "(a8tok-dyn) or --rotate none")
+    check_rotation(rotate, method, parsed)
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not overwrite:
         raise UserError(f"output dir {out} already exists; pass --overwrite or choose another --output-dir")
@@ -105,7 +101,7 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     ref_logits = sequence_logits(lm, seqs)
     if weight_method.needs_calibration:
         logger.info("collecting calibration statistics for %s (%s)", method, (calib or CalibConfig()).label)
-    if static:  # calibrated input scales (mse observer)
+    if parsed.static_activations:  # calibrated input scales (mse observer)
         report = quantize_w8a8(lm, parsed, method, calib)
     else:
         needs = weight_method.needs_calibration

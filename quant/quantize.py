@@ -128,7 +128,7 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.weights is None:
         raise UserError("scheme 'none' quantizes nothing: pick a weight scheme such as W8A16 or w4g32-asym")
-    if scheme.activations is not None and not scheme.activations.dynamic:
+    if scheme.static_activations:
         raise UserError(f"{scheme.label}: static activation scales need calibrated input scales, which "
                         "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
     weight_method = get_method(method, scheme.weights)

@@ -34,6 +34,7 @@ from torch import nn
 
 from quant.folding import FoldGroup, block_fold_groups, fold_scale
 from quant.methods import METHODS, get_method
+from quant.scheme import QuantScheme
 from runtime.errors import UserError
 from runtime.registry import Registry
 from runtime.transformer import ModelArgs, OnlineRotation, RMSNorm, Transformer
@@ -168,9 +169,20 @@ def parse_rotate(text: str | None) -> str | None:
     return str(text).strip()
 
 
-def check_rotation(rotate: str | None, method: str) -> None:
-    """Refuse, in one line, a weight method that cannot run on a rotated model (AWQ)."""
-    reason = get_method(method).rotation_refusal if parse_rotate(rotate) is not None else None
+def check_rotation(rotate: str | None, method: str, scheme: QuantScheme | None = None,
+                   smoothquant: float | None = None) -> None:
+    """Refuse, in one line, what a rotation cannot run with: no weight scheme, SmoothQuant or static activation
+    scales (with ``scheme`` / ``smoothquant``), a weight method that cannot run on a rotated model (AWQ)."""
+    rotate = parse_rotate(rotate)
+    if rotate is None:
+        return
+    if scheme is not None and scheme.weights is None:
+        raise UserError(f"--rotate {rotate} rotates before quantizing: give a weight scheme (e.g. "
+                        "w4g32-sym_a4tok-dyn)")
+    if smoothquant is not None or (scheme is not None and scheme.static_activations):
+        raise UserError(f"--rotate {rotate} with SmoothQuant or static activation scales is not built: use "
+                        "dynamic activations (a8tok-dyn, a4tok-dyn) without --smoothquant")
+    reason = get_method(method).rotation_refusal
     if reason:
         able = ", ".join(n for n, m in METHODS.items() if m.rotation_refusal is None)
         raise UserError(f"method {method!r} cannot quantize a rotated model ({reason}): use {able}, or --rotate none")

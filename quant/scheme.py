@@ -200,6 +200,11 @@ class QuantScheme:
     pad: bool = False  # pad input widths a group size does not divide, instead of refusing
 
     @property
+    def static_activations(self) -> bool:
+        """Whether its activations use calibrated per-tensor input scales."""
+        return self.activations is not None and not self.activations.dynamic
+
+    @property
     def label(self) -> str:
         if self.weights is None:
             return "none"
