@@ -270,6 +270,29 @@ def render_quant_decode_compiled(d: dict) -> str:
     ])
 
 
+@bench("compile_options.*.json", "Ways to compile the decode step: speed, verification, build cost",
+       "bench/compile_options.py",
+       "The bf16 step three ways: as the product builds it (weights frozen and prepacked), and two alternatives that "
+       "leave the weights as graph inputs so that one graph, cached on disk, would serve every model of the same "
+       "shapes (a search's trials): `F.linear` as is, or each linear as a fused multiply-reduce. Per option: decode "
+       "speed paired with the eager step, the five-token verification step's cost over the one-token step and how "
+       "many of its rows differ bitwise from the one-token step (greedy speculation needs none), and build seconds "
+       "in a fresh process (cold cache), a second process (warm cache) and for a second model of the same shapes in "
+       "the same process.")
+def render_compile_options(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["option"], x["what"], "error: " + x["error"]] if "error" in x else
+            [x["option"], x["what"], num(x["compiled_tok_s"], 1),
+             with_ci(x["compiled_over_eager"], x["compiled_over_eager_ci"], ".2f", "x"), num(x["verify_cost"]),
+             x["verify_rows_differing"], num(x["one_token_build_s"], 0), num(x["warm_one_token_build_s"], 0),
+             num(x["second_model_build_s"], 0), num(x["verify_build_s"], 0)] for x in r["rows"]]
+    return "\n\n".join([
+        table(["option", "what", "tok/s", "vs eager [95% CI]", "V(4)", "rows differing (of 5)", "build s, cold",
+               "build s, warm cache", "build s, second model", "5-token step build s"], rows),
+        bandwidth_line(r),
+    ])
+
+
 @bench("llamacpp*.json", "llama.cpp beside the native path", "make llamacpp && bench/llamacpp.py",
        "Decode: llama.cpp (llama-cpp-python, built by pip with the host's flags) on the default model's own GGUF (Q4_1 "
        "as shipped; Q8_0 written by the gguf package) and native int4 g32 / int8 / bf16 on compiled steps, one greedy "

@@ -26,6 +26,7 @@ from studies.pareto import summarize, write_json
 from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import load_space
 from runtime.argtypes import positive_int
+from runtime.compiled import SETTINGS
 
 
 class TimedEvaluator:
@@ -34,7 +35,7 @@ class TimedEvaluator:
     def __init__(self, inner):
         self.inner = inner
         self.default_floor = inner.default_floor
-        self.seconds = {"quality": 0.0, "engine_start": 0.0, "speed_run": 0.0, "greedy_check": 0.0}
+        self.seconds = {"quality": 0.0, "engine_start": 0.0, "compile": 0.0, "speed_run": 0.0, "greedy_check": 0.0}
         self.counts = Counter()  # calls per kind of work (speed: engine start + run)
 
     def floor_value(self, floor):
@@ -65,6 +66,7 @@ class TimedEvaluator:
             self.seconds["engine_start"] += time.perf_counter() - t  # refused at engine start (pruned/failed)
             raise
         self.seconds["engine_start"] += result.extra["engine_start_s"]
+        self.seconds["compile"] += result.extra["compile_s"]  # one-time builds of compiled steps (--compile)
         self.seconds["speed_run"] += result.extra["bench_s"]
         self.counts["speed"] += 1
         return result
@@ -90,13 +92,16 @@ if __name__ == "__main__":
     parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--compile", default="eager", choices=SETTINGS,
+                        help="decode step of every speed run (runtime/compiled.py); builds counted apart")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
     parser.add_argument("--study-dir", default=str(Path(__file__).parent / "results" / "study_cost"),
                         help="where the study's SQLite file is kept (replaced by each run)")
     args = parser.parse_args()
 
     evaluator = TimedEvaluator(get_evaluator("real", limit=args.limit, num_prompts=args.prompts,
-                                             output_len=args.new_tokens, threads=args.threads))
+                                             output_len=args.new_tokens, threads=args.threads,
+                                             compile=args.compile))
     space = load_space(args.space)
     study_dir = Path(args.study_dir)
     (study_dir / "study.db").unlink(missing_ok=True)  # this run's study only
@@ -122,6 +127,7 @@ if __name__ == "__main__":
     for col in ("where", "seconds", "share", "calls"):
         table.add_column(col, justify="right")
     calls = {"quality": evaluator.counts["quality"], "engine_start": evaluator.counts["speed"],
+             "compile": evaluator.counts["speed"],
              "speed_run": evaluator.counts["speed"], "greedy_check": evaluator.counts["greedy_check"]}
     for name, sec in seconds.items():
         table.add_row(name, f"{sec:.0f}", f"{100 * sec / wall:.0f}%", str(calls.get(name, "")))
@@ -139,14 +145,15 @@ if __name__ == "__main__":
         engine=EngineCondition("native (per trial: load + quantize + bench)", {
             "space": space.to_dict(), "sampler": settings.sampler, "seed": args.seed,
             "storage": f"sqlite ({study_dir / 'study.db'}, study 'study-cost')", "table": str(table_path),
-            "length_band": settings.length_band},
+            "length_band": settings.length_band, "compile": args.compile},
             warmup="run_benchmark warms each engine on a non-workload prompt",
             cache_warmth="eval results cached on disk by evals (a warm cache makes quality nearly free)"),
         metric=MetricCondition(
             {"wall_s": "time.perf_counter around run_search (study open to last trial)",
              "quality": "seconds inside evaluator.quality (lm-eval + fidelity), distinct transformations only",
              "engine_start": "open_backend: model load + quantization (+ pruned points refused at start)",
-             "speed_run": "run_benchmark on an open engine (warm-up + measured requests)",
+             "compile": "one-time builds of compiled decode steps (the records' compile_s; none with --compile eager)",
+             "speed_run": "run_benchmark on an open engine (warm-up + measured requests, builds excluded)",
              "greedy_check": "greedy-equality checks of sampled speculative trials (their non-spec twin runs)",
              "other": "wall minus the above: Optuna sampling, storage, invalid-point checks"},
             "trials counted when complete, pruned or failed by their own error"),

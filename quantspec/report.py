@@ -534,7 +534,8 @@ def _basis_cell(r: Row) -> str:
 
 def rich_table(summary: StudySummary) -> Table:
     table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}, "
-                        f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}); "
+                        f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}"
+                        f"{'; decode: ' + ' / '.join(summary.steps) + ' step' if summary.steps else ''}); "
                         "speedup: paired with the reference, median of per-round ratios [95% CI] over n rounds; "
                         "* = Pareto-optimal among feasible rows, ~ = not separable from the front within the CIs",
                   title_justify="left")
@@ -566,6 +567,10 @@ def footer_lines(summary: StudySummary) -> list[str]:
             half = (r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup if r.speedup_ci and r.speedup else float("nan")
             lines.append(f"#{r.number} {r.label}: speed noisy: its speedup CI stayed ±{100 * half:.0f}% after "
                          f"{r.rounds} rounds ({r.load}); re-measure on a quieter machine")
+    if summary.compile_s:
+        lines.append(f"compiled steps built in {summary.compile_s:.0f} s in all (one-time, in no row's speed)")
+    mixed = [r for r in summary.measured if len(summary.steps) > 1 and r.step != summary.steps[0]]
+    lines += [f"#{r.number} {r.label} ran on the {r.step} step" for r in mixed]
     duplicates = sum(r.duplicate_of is not None for r in summary.rows)
     if duplicates:
         lines.append(f"{duplicates} trial(s) re-sampled an already measured config and reused its numbers")

@@ -50,6 +50,8 @@ class Row:
     infeasible_because: list[str] = field(default_factory=list)  # the constraints it breaks
     failed_constraints: list[str] = field(default_factory=list)  # their names: quality_floor, exactness, length_band
     task: str | None = None  # the quality task (the worst one when several)
+    step: str | None = None  # the native decode step its speed ran on (eager, compiled (MODE), eager (fallback: why))
+    compile_s: float | None = None  # that step's one-time build, apart from its speed
     duplicate_of: int | None = None
     reason: str | None = None  # pruned reason or error
     notes: list[str] = field(default_factory=list)
@@ -74,6 +76,16 @@ class StudySummary:
         rows = [r for r in self.rows if r.state == "COMPLETE" and r.tok_s is not None and r.duplicate_of is None]
         paired = all(r.speedup_ci for r in rows)
         return sorted(rows, key=lambda r: -(r.speedup if paired else r.tok_s))
+
+    @property
+    def steps(self) -> list[str]:
+        """The decode steps the measured rows ran on, as records say them (one, unless a step fell back)."""
+        return list(dict.fromkeys(r.step for r in self.measured if r.step))
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the measured rows' compiled steps took to build (one-time; in none of their speeds)."""
+        return sum(r.compile_s or 0.0 for r in self.measured)
 
     @property
     def skipped(self) -> list[Row]:
@@ -113,6 +125,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
     quality, speed = attrs.get("quality") or {}, attrs.get("speed") or {}
     constraints = trial.constraints or {}
     basis, length = attrs.get("quality_basis") or {}, attrs.get("length") or {}
+    engine = ((attrs.get("record") or {}).get("engine") or {}).get("config") or {}
     row = Row(
         number=trial.number, state=trial.state.name, label=attrs.get("label", ""),
         backend=config.get("backend", ""), config=config, tok_s=speed.get("tok_s"), tok_s_ci=speed.get("tok_s_ci"),
@@ -126,7 +139,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
         exact=attrs.get("exact_check"),
         quality_basis=(f"{basis['kind']}: {basis['why']}" if basis else None),
         length_ratio=length.get("ratio"), eot_rate=length.get("eot_rate"),
-        duplicate_of=attrs.get("duplicate_of"),
+        duplicate_of=attrs.get("duplicate_of"), step=engine.get("step"), compile_s=engine.get("compile_s"),
         reason=attrs.get("pruned_reason") or attrs.get("error") or attrs.get("stale") or attrs.get("surplus"),
     )
     for name, value in constraints.items():

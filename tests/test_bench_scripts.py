@@ -47,7 +47,7 @@ def test_a_bench_script_runs_as_a_script():
 
 def test_study_cost_timer_runs_a_search_without_failed_trials(tmp_path, tiny_llama_dir):
     """bench/study_cost.py's timing wrapper around an evaluator leaves every trial as the evaluator decides
-    (it once failed every trial with a KeyError in its own bookkeeping)."""
+    (it once failed every trial with a KeyError in its own bookkeeping), and counts compiled steps' builds apart."""
     from dataclasses import replace
 
     from optuna.trial import TrialState
@@ -60,13 +60,14 @@ def test_study_cost_timer_runs_a_search_without_failed_trials(tmp_path, tiny_lla
 
     class Inner(ToyEvaluator):
         def speed(self, config):
-            return replace(super().speed(config), extra={"engine_start_s": 0.0, "bench_s": 0.0})
+            return replace(super().speed(config), extra={"engine_start_s": 0.0, "bench_s": 0.0, "compile_s": 2.5})
 
     timed = TimedEvaluator(Inner())
     outcome = run_search(settings(tmp_path, toy_space(tiny_llama_dir), n_trials=6), timed)
     states = [t.state for t in outcome.study.trials]
     assert TrialState.FAIL not in states and states.count(TrialState.COMPLETE) >= 3
     assert timed.counts["quality"] >= 1 and timed.counts["speed"] >= 3 and timed.counts["speed_run"] >= 3
+    assert timed.seconds["compile"] == 2.5 * timed.counts["speed"]  # builds apart from the speed runs
 
 
 def test_llamacpp_bench_without_llama_cpp_names_the_install_step(monkeypatch, capsys):

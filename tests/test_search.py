@@ -768,3 +768,37 @@ def test_only_interleavable_backends_are_paired_with_the_reference():
     assert "vllm engines cannot stay resident" in evaluator._unpaired_reason(Config(backend="vllm"))
     evaluator.reference = Config(backend="vllm")
     assert evaluator._unpaired_reason(Config()).startswith("unpaired: vllm")
+
+
+def test_the_table_names_the_decode_step_and_counts_builds_apart():
+    """Each row's decode step and one-time build come from its speed record: the title names the step the rows ran
+    on, the footer totals the builds (in no row's speed) and names a row whose step fell back. Negative control: rows
+    whose records carry no step leave the title and footer without one."""
+    from rich.console import Console
+
+    def study_with(engines: list[dict]) -> optuna.Study:
+        study = optuna.create_study(directions=["maximize"])
+        study.set_user_attr("reference", Config().to_dict())
+        for cfg, engine in zip((Config(), Config(weights="w8ch-sym", method="rtn")), engines):
+            study.add_trial(optuna.create_trial(value=20.0, user_attrs={
+                "config": cfg.to_dict(), "label": cfg.label, "quality": {"value": 1.0},
+                "speed": {"tok_s": 20.0}, "record": {"engine": {"config": engine}}},
+                system_attrs={"constraints:quality_floor": -0.01}))
+        return study
+
+    compiled = "compiled (max-autotune-no-cudagraphs)"
+    summary = summarize(study_with([{"step": compiled, "compile_s": 70.0},
+                                    {"step": "eager (fallback: probe refused)", "compile_s": 50.0}]))
+    assert summary.steps == [compiled, "eager (fallback: probe refused)"] and summary.compile_s == 120.0
+    console = Console(width=400, record=True)
+    console.print(rich_table(summary))
+    title = " ".join(console.export_text().split())  # rich wraps the title
+    assert f"decode: {compiled} / eager (fallback: probe refused) step" in title
+    lines = footer_lines(summary)
+    assert any("built in 120 s in all" in line for line in lines)
+    assert any("w8ch-sym" in line and "ran on the eager (fallback: probe refused) step" in line for line in lines)
+    bare = summarize(study_with([{}, {}]))
+    console = Console(width=400, record=True)
+    console.print(rich_table(bare))
+    assert bare.steps == [] and "decode:" not in console.export_text()
+    assert not any("built in" in line or "ran on the" in line for line in footer_lines(bare))

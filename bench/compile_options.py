@@ -1,0 +1,232 @@
+"""What each way of compiling the native bf16 decode step costs and gives on this CPU: its decode speed (paired with
+the eager step), its 5-token verification step (cost V(4) over the one-token step, and whether its rows are bitwise
+the one-token step's, which greedy speculation needs), and its build time three ways -- in a fresh process with a
+cold inductor cache, in a second process with that cache warm, and for a second model of the same shapes in the same
+process (what each further trial of a search would pay).
+
+Options (``OPTIONS``):
+  frozen       the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, weights frozen into the graph
+               and prepacked by inductor
+  inputs-aten  default mode, weights left as graph inputs (no freezing), bf16 linears as ``F.linear``
+  inputs-gemv  default mode, weights as graph inputs, each bf16 linear written as one fused multiply and reduce
+               over fp32 products (gpt-fast's GEMV form), which inductor generates as its own C++ loop
+The two ``inputs-*`` options are alternatives this bench measures, not product settings: each worker process
+patches them in. Every option runs in its own processes with its own inductor cache directory.
+
+Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2]
+Writes bench/results/compile_options.<machine tag>.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from evals.decode_speed import DEFAULT_PROMPT
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from evals.roofline import measure_bandwidth
+from runtime import compiled, packed_linear
+from runtime.argtypes import positive_int
+from runtime.generate import Decoder, encode_prompt
+from runtime.hardware import probe
+from runtime.loading import load_model, set_threads
+from runtime.measure import Sample, SpeedProtocol, paired_ratio, with_ci
+from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
+from runtime.sampling import SamplingConfig
+from specdec.speculative import compiled_rows_differing
+
+VERIFY_ROWS = 5  # K = 4
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    what: str
+    mode: str
+    freezing: bool
+    gemv: bool  # bf16 linears as a fused multiply-reduce under compile
+
+
+OPTIONS = {o.name: o for o in (
+    Option("frozen", "the product's step: weights frozen and prepacked (inductor's C++ GEMM template)",
+           compiled.DEFAULT_MODE, True, False),
+    Option("inputs-aten", "weights as graph inputs, F.linear (aten mm)", "default", False, False),
+    Option("inputs-gemv", "weights as graph inputs, bf16 linears as a fused fp32 multiply-reduce", "default", False,
+           True),
+)}
+
+
+def patch(option: Option) -> None:
+    """Make this process's compiled steps build as ``option`` says (the bench's alternatives; ``frozen`` is as is)."""
+    build = compiled.CompiledStep.__init__
+
+    def init(step, model, mode=compiled.DEFAULT_MODE):
+        build(step, model, mode)
+        step._config["freezing"] = option.freezing
+
+    compiled.CompiledStep.__init__ = init
+    if option.gemv:
+        linear = packed_linear.DensePack.linear
+
+        def gemv(pack, x, weight):
+            if torch.compiler.is_compiling() and weight.dtype == torch.bfloat16:
+                return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(weight.dtype)
+            return linear(pack, x, weight)
+
+        packed_linear.DensePack.linear = gemv
+
+
+def generation(decoder: Decoder, prompt_ids: list[int], new_tokens: int):
+    def block(_unit: int) -> Sample:
+        r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True)
+        return Sample(len(r.tokens) - 1, r.decode_s)
+    return block
+
+
+def median_s(fn, repeats: int = 15) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
+    """One process's measurements (cold: everything; warm: the one-token step's build only)."""
+    patch(option)
+    lm = load_model(model, "bf16", attn_implementation="eager")  # bf16 speculation's attention
+    prompt_ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
+    max_len = len(prompt_ids) + new_tokens + 8
+    step = Decoder(lm, max_len, compile_mode=option.mode)
+    step.generate(prompt_ids, 2, ignore_eos=True)  # builds the one-token step
+    out = {"one_token_build_s": step.compile_s, "fallback": step.step.fallback}
+    if not cold:
+        return out
+    eager = Decoder(lm, max_len)
+    eager.generate(prompt_ids, 8, ignore_eos=True)  # warm-up, excluded
+    paired = paired_ratio(generation(eager, prompt_ids, new_tokens), generation(step, prompt_ids, new_tokens), 1,
+                          SpeedProtocol(), "one greedy generation")
+    step.reset()
+    step.forward(prompt_ids)
+    start = step.pos
+    _, differing = compiled_rows_differing(step, prompt_ids[-VERIFY_ROWS:])
+    out["verify_build_s"] = step.steps[VERIFY_ROWS].compile_s
+
+    def at_start(n: int):
+        def run():
+            step.rollback(start)
+            step.forward(prompt_ids[-n:], compiled=True)
+        return run
+
+    one, verify = median_s(at_start(1)), median_s(at_start(VERIFY_ROWS))
+    second = load_model(model, "bf16", attn_implementation="eager")
+    for p in second.model.parameters():
+        p.mul_(1.001)  # other weights, same shapes: a search's next trial
+    other = Decoder(second, max_len, compile_mode=option.mode)
+    other.generate(prompt_ids, 2, ignore_eos=True)
+    return out | {"compiled_tok_s": paired.candidate.value, "eager_tok_s": paired.reference.value,
+                  "compiled_over_eager": paired.ratio.value, "compiled_over_eager_ci": list(paired.ratio.ci),
+                  "noisy": paired.noisy, "rounds": paired.rounds, "one_token_step_ms": one * 1e3,
+                  "verify_step_ms": verify * 1e3, "verify_cost": verify / one, "verify_rows_differing": differing,
+                  "second_model_build_s": other.compile_s}
+
+
+def run_worker(option: Option, model: str, new_tokens: int, threads: int | None, cache: Path, cold: bool) -> dict:
+    cmd = [sys.executable, __file__, "--worker", option.name, "--model", model, "--new-tokens", str(new_tokens)]
+    cmd += ["--threads", str(threads)] if threads else []
+    cmd += [] if cold else ["--warm"]
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(model: str, new_tokens: int, threads: int | None) -> RunRecord:
+    bandwidth = measure_bandwidth()
+    path = resolve_model(model)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qs-compile-options-") as tmp:
+        for option in OPTIONS.values():
+            cache = Path(tmp) / option.name
+            cold = run_worker(option, model, new_tokens, threads, cache, cold=True)
+            warm = run_worker(option, model, new_tokens, threads, cache, cold=False)
+            rows.append({"option": option.name, **asdict(option), **cold,
+                         "warm_one_token_build_s": warm.get("one_token_build_s"), "warm_error": warm.get("error")})
+            print(f"{option.name}: {rows[-1]}", flush=True)
+    return RunRecord(
+        name="compile-options",
+        model=ModelCondition(model, weights_hash(path), "bf16, attention eager (batch-invariant)",
+                             note=SMOLLM2.note if is_default_model(path) else ""),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(1, {"source": "one chat prompt"}, {"fixed": new_tokens},
+                                   f"one chat prompt: {DEFAULT_PROMPT!r}", True),
+        arrival=ArrivalProcess("batch-1 sequential", 1),
+        engine=EngineCondition("native", {"threads": threads or torch.get_num_threads(),
+                                          "verify_rows": VERIFY_ROWS},
+                               warmup="builds (first calls) timed apart; one eager generation excluded",
+                               cache_warmth="cold: a fresh inductor cache directory per option; warm: a second "
+                                            "process on the same directory"),
+        metric=MetricCondition(
+            {"compiled_over_eager": "paired, interleaved ratio of decode tok/s (prefill excluded) over the eager "
+                                    "step; CI: 95% t-interval of the mean log ratio",
+             "verify_cost": "median 5-token compiled step time / median one-token compiled step time, same position",
+             "verify_rows_differing": "rows of the 5-token step's logits not bitwise the one-token step's at the "
+                                      "same positions (greedy speculation needs 0)",
+             "*_build_s": "seconds of the first call of a step (tracing, lowering, C++ build, autotuning)"},
+            "greedy, ignore_eos, fixed length; speed and exactness only"),
+        results={"bandwidth_gb_s": bandwidth / 1e9, "load_average_1_5_15": os.getloadavg(), "rows": rows},
+    )
+
+
+def print_table(record: RunRecord) -> None:
+    table = Table(title=f"compiling the bf16 decode step, {record.hardware['cpu']}")
+    for col in ("option", "tok/s", "vs eager", "V(4)", "rows differing", "build cold s", "build warm s",
+                "2nd model s", "5-token build s"):
+        table.add_column(col, justify="right")
+    for r in record.results["rows"]:
+        if "error" in r:
+            table.add_row(r["option"], r["error"])
+            continue
+        table.add_row(r["option"], f"{r['compiled_tok_s']:.1f}",
+                      with_ci(r["compiled_over_eager"], r["compiled_over_eager_ci"], ".2f", "x"),
+                      f"{r['verify_cost']:.2f}", str(r["verify_rows_differing"]), f"{r['one_token_build_s']:.0f}",
+                      f"{r['warm_one_token_build_s'] or 0:.0f}", f"{r['second_model_build_s']:.0f}",
+                      f"{r['verify_build_s']:.0f}")
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--worker", choices=sorted(OPTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/compile_options.<tag>.json")
+    args = parser.parse_args()
+    if args.threads:
+        set_threads(args.threads)
+    if args.worker:
+        with torch.no_grad():
+            print(json.dumps(worker(OPTIONS[args.worker], args.model, args.new_tokens, cold=not args.warm)))
+        return
+    record = run(args.model, args.new_tokens, args.threads)
+    print_table(record)
+    out = record.write(args.out or Path(__file__).parent / "results" / f"compile_options.{probe().tag}.json")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
