@@ -7,14 +7,16 @@ process (what each further trial of a search would pay).
 Options (``OPTIONS``):
   frozen       the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, weights frozen into the graph
                and prepacked by inductor
+  frozen-cpp   the same, max-autotune choosing among inductor's C++ GEMM templates only (no ATen / oneDNN
+               candidates, so no benchmark race decides which kernel family a step runs)
   inputs-aten  default mode, weights left as graph inputs (no freezing), bf16 linears as ``F.linear``
   inputs-gemv  default mode, weights as graph inputs, each bf16 linear written as one fused multiply and reduce
                over fp32 products (gpt-fast's GEMV form), which inductor generates as its own C++ loop
-The two ``inputs-*`` options are alternatives this bench measures, not product settings: each worker process
-patches them in. Every option runs in its own processes with its own inductor cache directory.
+Every option but ``frozen`` is an alternative this bench measures, not a product setting: each worker process
+patches it in. Every option runs in its own processes with its own inductor cache directory.
 
-Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2]
-Writes bench/results/compile_options.<machine tag>.json.
+Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2] [--options a,b]
+Writes bench/results/compile_options.<machine tag>.json (all options) or compile_options-<options>.<tag>.json.
 """
 import argparse
 import json
@@ -55,11 +57,15 @@ class Option:
     mode: str
     freezing: bool
     gemv: bool  # bf16 linears as a fused multiply-reduce under compile
+    gemm_backends: str | None = None  # max-autotune's GEMM candidates (inductor's default when None)
 
 
 OPTIONS = {o.name: o for o in (
-    Option("frozen", "the product's step: weights frozen and prepacked (inductor's C++ GEMM template)",
+    Option("frozen", "the product's step: weights frozen and prepacked, max-autotune choosing among ATen / oneDNN "
+           "and C++ template GEMMs",
            compiled.DEFAULT_MODE, True, False),
+    Option("frozen-cpp", "weights frozen, max-autotune choosing among inductor's C++ GEMM templates only",
+           compiled.DEFAULT_MODE, True, False, "CPP"),
     Option("inputs-aten", "weights as graph inputs, F.linear (aten mm)", "default", False, False),
     Option("inputs-gemv", "weights as graph inputs, bf16 linears as a fused fp32 multiply-reduce", "default", False,
            True),
@@ -73,6 +79,8 @@ def patch(option: Option) -> None:
     def init(step, model, mode=compiled.DEFAULT_MODE):
         build(step, model, mode)
         step._config["freezing"] = option.freezing
+        if option.gemm_backends:
+            step._config["max_autotune_gemm_backends"] = option.gemm_backends
 
     compiled.CompiledStep.__init__ = init
     if option.gemv:
@@ -153,12 +161,12 @@ def run_worker(option: Option, model: str, new_tokens: int, threads: int | None,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(model: str, new_tokens: int, threads: int | None) -> RunRecord:
+def run(model: str, new_tokens: int, threads: int | None, options: list[Option]) -> RunRecord:
     bandwidth = measure_bandwidth()
     path = resolve_model(model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="qs-compile-options-") as tmp:
-        for option in OPTIONS.values():
+        for option in options:
             cache = Path(tmp) / option.name
             cold = run_worker(option, model, new_tokens, threads, cache, cold=True)
             warm = run_worker(option, model, new_tokens, threads, cache, cold=False)
@@ -212,6 +220,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--options", default=",".join(OPTIONS), help=f"some of {', '.join(OPTIONS)}")
     parser.add_argument("--worker", choices=sorted(OPTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/compile_options.<tag>.json")
@@ -222,9 +231,14 @@ def main() -> None:
         with torch.no_grad():
             print(json.dumps(worker(OPTIONS[args.worker], args.model, args.new_tokens, cold=not args.warm)))
         return
-    record = run(args.model, args.new_tokens, args.threads)
+    names = args.options.split(",")
+    unknown = sorted(set(names) - set(OPTIONS))
+    if unknown:
+        parser.error(f"--options: unknown {', '.join(unknown)}; use some of {', '.join(OPTIONS)}")
+    record = run(args.model, args.new_tokens, args.threads, [OPTIONS[n] for n in names])
     print_table(record)
-    out = record.write(args.out or Path(__file__).parent / "results" / f"compile_options.{probe().tag}.json")
+    subset = "" if names == list(OPTIONS) else "-" + "-".join(names)
+    out = record.write(args.out or Path(__file__).parent / "results" / f"compile_options{subset}.{probe().tag}.json")
     print(f"wrote {out}")
 
 

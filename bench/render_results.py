@@ -270,15 +270,15 @@ def render_quant_decode_compiled(d: dict) -> str:
     ])
 
 
-@bench("compile_options.*.json", "Ways to compile the decode step: speed, verification, build cost",
+@bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
-       "The bf16 step three ways: as the product builds it (weights frozen and prepacked), and two alternatives that "
-       "leave the weights as graph inputs so that one graph, cached on disk, would serve every model of the same "
-       "shapes (a search's trials): `F.linear` as is, or each linear as a fused multiply-reduce. Per option: decode "
-       "speed paired with the eager step, the five-token verification step's cost over the one-token step and how "
-       "many of its rows differ bitwise from the one-token step (greedy speculation needs none), and build seconds "
-       "in a fresh process (cold cache), a second process (warm cache) and for a second model of the same shapes in "
-       "the same process.")
+       "The bf16 step as the product builds it (weights frozen and prepacked), the same with max-autotune choosing "
+       "among inductor's C++ GEMM templates only, and two alternatives that leave the weights as graph inputs so "
+       "that one graph, cached on disk, would serve every model of the same shapes (a search's trials): `F.linear` "
+       "as is, or each linear as a fused multiply-reduce. Per option: decode speed paired with the eager step, the "
+       "five-token verification step's cost over the one-token step and how many of its rows differ bitwise from "
+       "the one-token step (greedy speculation needs none), and build seconds in a fresh process (cold cache), a "
+       "second process (warm cache) and for a second model of the same shapes in the same process.")
 def render_compile_options(d: dict) -> str:
     r = d["results"]
     rows = [[x["option"], x["what"], "error: " + x["error"]] if "error" in x else
