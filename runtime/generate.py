@@ -59,7 +59,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None) -> list[int]
 
 
 class Decoder:
-    """Owns one model's KV cache and position; ``rollback`` truncates to an earlier position. ``compile_mode`` (a
+    """Owns a KV cache of its model and a position (several decoders of one model keep theirs apart: each puts its
+    own back before it runs); ``rollback`` truncates to an earlier position. ``compile_mode`` (a
     name in ``runtime.compiled.MODES``) runs one-token forwards, and those ``forward(..., compiled=True)`` asks for,
     through compiled steps (one per token count, in ``steps``); None keeps them eager."""
 
@@ -71,6 +72,7 @@ class Decoder:
         self.pos = 0
         self.eos_ids = eos_token_ids(lm)
         self.model.setup_cache(1, self.max_len, cache_factory)
+        self.cache = self.model.cache_state()  # this decoder's own, put back where another decoder replaced it
         self.compile_mode = compile_mode
         self.fallback: str | None = None  # why decoding went back to the eager step (``fall_back``)
         self.steps: dict[int, CompiledStep] = {1: CompiledStep(self.model, compile_mode)} if compile_mode else {}
@@ -136,6 +138,8 @@ class Decoder:
         """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]. With ``compile_mode``, one
         token, or any count when ``compiled``, runs through the compiled step for that count (built on first use)."""
         device = self.lm.device
+        if not self.model.holds(self.cache):
+            self.model.restore_cache(self.cache)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(1, -1)
         n = ids.shape[1]
         if self.pos + n > self.max_len:

@@ -91,18 +91,12 @@ def model_step_probe(model) -> Callable[[], None]:
 
 def choose_for_model(model, options: list[int] | None = None) -> ThreadChoice:
     """``choose_threads`` on the model's one-token forward; leaves the model without a KV cache, as loaded."""
-    saved = [layer.self_attn.kv_cache for layer in model.layers]
-    saved_len, saved_batch = model.max_len, model.batch
-    rope = {name: getattr(model, name) for name in ("rope_cos", "rope_sin") if hasattr(model, name)}
+    saved = model.cache_state()
     model.setup_cache(1, 8)
     try:
         return choose_threads(model_step_probe(model), options)
     finally:
-        for layer, cache in zip(model.layers, saved):
-            layer.self_attn.kv_cache = cache
-        model.max_len, model.batch = saved_len, saved_batch
-        for name, table in rope.items():
-            model.register_buffer(name, table, persistent=False)
+        model.restore_cache(saved)
 
 
 def apply_threads(model, threads: int | None) -> ThreadChoice:

@@ -186,6 +186,18 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """What ``Transformer.setup_cache`` installs: the per-layer KV caches, their length and batch, and the RoPE
+    tables. A ``Decoder`` keeps its own and puts it back when another user of the model installed one (a compiled
+    step's graph is guarded on these very tensors, and the caches hold the decoder's positions)."""
+
+    caches: tuple
+    max_len: int
+    batch: int
+    rope: tuple  # (cos, sin), or () before any setup_cache
+
+
 class Transformer(nn.Module):
     """Parameter names mirror HF's ``model.*`` / ``lm_head`` so HF state dicts load directly."""
 
@@ -216,6 +228,23 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, max_len)
         self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
+
+    def cache_state(self) -> CacheState:
+        """The KV caches and RoPE tables installed now (``restore_cache`` puts them back)."""
+        rope = (self.rope_cos, self.rope_sin) if hasattr(self, "rope_cos") else ()
+        return CacheState(tuple(layer.self_attn.kv_cache for layer in self.layers), self.max_len, self.batch, rope)
+
+    def holds(self, state: CacheState) -> bool:
+        """Whether ``state`` is what is installed (by identity: cheap enough for every forward)."""
+        return self.layers[0].self_attn.kv_cache is state.caches[0] and (
+            not state.rope or getattr(self, "rope_cos", None) is state.rope[0])
+
+    def restore_cache(self, state: CacheState) -> None:
+        for layer, cache in zip(self.layers, state.caches):
+            layer.self_attn.kv_cache = cache
+        self.max_len, self.batch = state.max_len, state.batch
+        for name, table in zip(("rope_cos", "rope_sin"), state.rope):
+            self.register_buffer(name, table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, n_layers: int | None = None,
                 return_hidden: bool = False, pad: torch.Tensor | None = None, aux_layers: tuple[int, ...] = ()):

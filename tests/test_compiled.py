@@ -58,6 +58,41 @@ def test_one_graph_serves_every_position(tiny):
         torch.compile(tiny.model, fullgraph=True, backend="eager")(torch.tensor([[5]]), torch.tensor([3]))
 
 
+def test_decoders_of_one_model_keep_their_own_caches(tiny, monkeypatch):
+    """Two decoders of one model, interleaved: the later one installs new KV caches and RoPE tables on the model,
+    and the earlier one puts its own back before it runs, so it continues from its own positions. Negative control:
+    without putting them back it reads the other decoder's cache and its next logits change."""
+    alone = Decoder(tiny, 64)
+    alone.forward(PROMPT)
+    want = alone.forward([7])
+
+    def interleaved() -> torch.Tensor:
+        first = Decoder(tiny, 64)
+        first.forward(PROMPT)
+        Decoder(tiny, 64).forward(list(range(40, 50)))
+        return first.forward([7])
+
+    assert torch.equal(interleaved(), want)
+    monkeypatch.setattr(type(tiny.model), "holds", lambda self, state: True)
+    assert not torch.equal(interleaved(), want)
+
+
+def test_a_compiled_step_does_not_rebuild_when_another_decoder_is_made(tiny, monkeypatch):
+    """A frozen graph is guarded on the cache and RoPE tensors it was built with: a decoder made after it (a
+    benchmark's eager twin, a sweep's plain decoder) must not cost it a rebuild inside a timed run. Negative
+    control: left on the other decoder's tensors, the step compiles again."""
+    graphs = torch._dynamo.utils.counters["stats"]
+    decoder, tokens = greedy(tiny, "default")
+    before = graphs["unique_graphs"]
+    Decoder(tiny, 64)
+    assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens == tokens
+    assert graphs["unique_graphs"] == before
+    monkeypatch.setattr(type(tiny.model), "holds", lambda self, state: True)
+    Decoder(tiny, 64)
+    decoder.generate(PROMPT, 4, ignore_eos=True)
+    assert graphs["unique_graphs"] > before
+
+
 def test_each_decoder_compiles_its_own_step_past_dynamos_recompile_limit(tiny):
     """Each decoder's step is guarded on its own cache tensors; sharing one code object, the third decoder here
     would exceed the (lowered) recompile limit and fail (fullgraph) instead of compiling."""
