@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.decode_speed import DEFAULT_PROMPT
+from evals.decode_speed import DEFAULT_PROMPT, decoder_block
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import measure_bandwidth
@@ -42,9 +42,8 @@ from runtime.argtypes import positive_int
 from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import probe
 from runtime.loading import load_model, set_threads
-from runtime.measure import Sample, SpeedProtocol, paired_ratio, with_ci
+from runtime.measure import SpeedProtocol, paired_ratio, with_ci
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
-from runtime.sampling import SamplingConfig
 from specdec.speculative import compiled_rows_differing
 
 VERIFY_ROWS = 5  # K = 4
@@ -94,13 +93,6 @@ def patch(option: Option) -> None:
         packed_linear.DensePack.linear = gemv
 
 
-def generation(decoder: Decoder, prompt_ids: list[int], new_tokens: int):
-    def block(_unit: int) -> Sample:
-        r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True)
-        return Sample(len(r.tokens) - 1, r.decode_s)
-    return block
-
-
 def median_s(fn, repeats: int = 15) -> float:
     times = []
     for _ in range(repeats):
@@ -123,8 +115,8 @@ def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
         return out
     eager = Decoder(lm, max_len)
     eager.generate(prompt_ids, 8, ignore_eos=True)  # warm-up, excluded
-    paired = paired_ratio(generation(eager, prompt_ids, new_tokens), generation(step, prompt_ids, new_tokens), 1,
-                          SpeedProtocol(), "one greedy generation")
+    paired = paired_ratio(decoder_block(eager, prompt_ids, new_tokens), decoder_block(step, prompt_ids, new_tokens),
+                          1, SpeedProtocol(), "one greedy generation")
     step.reset()
     step.forward(prompt_ids)
     start = step.pos

@@ -65,9 +65,12 @@ def load_hf(lm: LoadedModel):
 
 
 def native_block(lm: LoadedModel, prompt_ids: list[int], new_tokens: int):
-    """One native greedy generation per call: its decode tokens and seconds (prefill excluded)."""
-    decoder = Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8)
+    """One native greedy generation per call (eager step): its decode tokens and seconds (prefill excluded)."""
+    return decoder_block(Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8), prompt_ids, new_tokens)
 
+
+def decoder_block(decoder: Decoder, prompt_ids: list[int], new_tokens: int):
+    """``native_block`` on a given decoder (e.g. a compiled one)."""
     def block(_unit: int) -> Sample:
         r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True)
         return Sample(len(r.tokens) - 1, r.decode_s)

@@ -569,8 +569,9 @@ def footer_lines(summary: StudySummary) -> list[str]:
                          f"{r.rounds} rounds ({r.load}); re-measure on a quieter machine")
     if summary.compile_s:
         lines.append(f"compiled steps built in {summary.compile_s:.0f} s in all (one-time, in no row's speed)")
-    mixed = [r for r in summary.measured if len(summary.steps) > 1 and r.step != summary.steps[0]]
-    lines += [f"#{r.number} {r.label} ran on the {r.step} step" for r in mixed]
+    steps = summary.steps
+    if len(steps) > 1:
+        lines += [f"#{r.number} {r.label} ran on the {r.step} step" for r in summary.measured if r.step != steps[0]]
     duplicates = sum(r.duplicate_of is not None for r in summary.rows)
     if duplicates:
         lines.append(f"{duplicates} trial(s) re-sampled an already measured config and reused its numbers")
