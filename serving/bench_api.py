@@ -58,7 +58,7 @@ class BenchResult:
 def warm_up(backend: Backend, load_kind: str) -> str:
     """Engine warm-up once per engine, on a prompt no workload uses; later runs find it warm."""
     engine = backend.engine_for(load_kind)
-    if backend.warm_runs.get(engine):
+    if engine in backend.warm_runs:
         return f"{engine} already warm ({backend.warm_runs[engine]} earlier run(s) on it in this process)"
     ids = encode_prompt(backend.tokenizer(), WARMUP_PROMPT)
     what = backend.warm_up([Request(-1, ids, WARMUP_TOKENS), Request(-2, ids, WARMUP_TOKENS)], load_kind)

@@ -60,7 +60,8 @@ def test_study_cost_timer_runs_a_search_without_failed_trials(tmp_path, tiny_lla
 
     class Inner(ToyEvaluator):
         def speed(self, config):
-            return replace(super().speed(config), extra={"engine_start_s": 0.0, "bench_s": 0.0, "compile_s": 2.5})
+            extra = {"reference_start_s": 0.0, "engine_start_s": 0.0, "bench_s": 0.0, "compile_s": 2.5}
+            return replace(super().speed(config), extra=extra)
 
     timed = TimedEvaluator(Inner())
     outcome = run_search(settings(tmp_path, toy_space(tiny_llama_dir), n_trials=6), timed)

@@ -802,3 +802,51 @@ def test_the_table_names_the_decode_step_and_counts_builds_apart():
     console.print(rich_table(bare))
     assert bare.steps == [] and "decode:" not in console.export_text()
     assert not any("built in" in line or "ran on the" in line for line in footer_lines(bare))
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("warms_reference", [True, False])
+def test_the_resident_reference_is_warmed_before_its_first_timed_sample(tiny_llama_dir, data_dir, one_thread,
+                                                                         monkeypatch, warms_reference):
+    """A worker that never measured the reference point (a second worker, a resumed study) opens the resident
+    reference inside a candidate's speed run: its warm-up (where a compiled step builds) comes before any timed
+    sample on it, once. Negative control: an evaluator that opens the reference without warming it samples it cold."""
+    import studies.objective as objective
+    from serving.bench_api import warm_up
+    from runtime.measure import SpeedProtocol
+
+    events: list[tuple[str, str]] = []
+
+    def logged_open(serving):
+        backend = open_backend(serving)
+        label = serving.config.label
+        for name in ("warm_up", "sample"):
+            def logged(*args, _call=getattr(backend, name), _name=name):
+                events.append((_name, label))
+                return _call(*args)
+            setattr(backend, name, logged)
+        return backend
+
+    def cold_reference(self):  # the old way: opened lazily, first used by a timed sample
+        if self._reference is None:
+            self._reference = objective.open_backend(objective.serving_config(self.reference, threads=self.threads))
+        return self._reference
+
+    from serving.backends import open_backend
+    monkeypatch.setattr(objective, "open_backend", logged_open)
+    if not warms_reference:
+        monkeypatch.setattr(objective.RealEvaluator, "_reference_backend", cold_reference)
+    evaluator = objective.RealEvaluator(data_dir=str(data_dir), num_prompts=1, output_len=3, length_tokens=3,
+                                        threads=1, protocol=SpeedProtocol(threshold=0.99, max_rounds=3))
+    evaluator.reference = Config(model=str(tiny_llama_dir))
+    try:
+        evaluator.speed(Config(model=str(tiny_llama_dir), proposer="ngram", k=2))
+        reference = [what for what, label in events if label == evaluator.reference.label]
+        assert ("sample" in reference) and (reference[0] == "warm_up") == warms_reference
+        assert reference.count("warm_up") == (1 if warms_reference else 0)
+        if warms_reference:  # the reference point's own run finds it warm and does not warm it again
+            assert warm_up(evaluator._reference, "closed").endswith("already warm (0 earlier run(s) on it in this "
+                                                                    "process)")
+            assert [what for what, _ in events].count("warm_up") == 2  # the reference's and the candidate's
+    finally:
+        evaluator.close()
