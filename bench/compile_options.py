@@ -6,9 +6,10 @@ process (what each further trial of a search would pay).
 
 Options (``OPTIONS``):
   frozen       the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, weights frozen into the graph
-               and prepacked by inductor
-  frozen-cpp   the same, max-autotune choosing among inductor's C++ GEMM templates only (no ATen / oneDNN
-               candidates, so no benchmark race decides which kernel family a step runs)
+               and prepacked by inductor, GEMMs chosen among inductor's C++ templates only (``CPU_GEMM_BACKENDS``:
+               no ATen / oneDNN candidates, so no benchmark race decides which kernel family a step runs)
+  frozen-aten  the same with inductor's default GEMM candidates (ATen / oneDNN beside the C++ templates): the
+               product's step before runs of this bench made the templates its choice
   inputs-aten  default mode, weights left as graph inputs (no freezing), bf16 linears as ``F.linear``
   inputs-gemv  default mode, weights as graph inputs, each bf16 linear written as one fused multiply and reduce
                over fp32 products (gpt-fast's GEMV form), which inductor generates as its own C++ loop
@@ -56,15 +57,14 @@ class Option:
     mode: str
     freezing: bool
     gemv: bool  # bf16 linears as a fused multiply-reduce under compile
-    gemm_backends: str | None = None  # max-autotune's GEMM candidates (inductor's default when None)
+    gemm_backends: str | None = None  # max-autotune's GEMM candidates (the product's CPU_GEMM_BACKENDS when None)
 
 
 OPTIONS = {o.name: o for o in (
-    Option("frozen", "the product's step: weights frozen and prepacked, max-autotune choosing among ATen / oneDNN "
-           "and C++ template GEMMs",
-           compiled.DEFAULT_MODE, True, False),
-    Option("frozen-cpp", "weights frozen, max-autotune choosing among inductor's C++ GEMM templates only",
-           compiled.DEFAULT_MODE, True, False, "CPP"),
+    Option("frozen", "the product's step: weights frozen and prepacked, max-autotune choosing among inductor's C++ "
+           "GEMM templates only", compiled.DEFAULT_MODE, True, False),
+    Option("frozen-aten", "weights frozen, max-autotune choosing among ATen / oneDNN and C++ template GEMMs",
+           compiled.DEFAULT_MODE, True, False, "ATEN,CPP"),
     Option("inputs-aten", "weights as graph inputs, F.linear (aten mm)", "default", False, False),
     Option("inputs-gemv", "weights as graph inputs, bf16 linears as a fused fp32 multiply-reduce", "default", False,
            True),

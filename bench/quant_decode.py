@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.decode_speed import DEFAULT_PROMPT, first_diff, native_decode
-from runtime.compiled import MODES
+from runtime.compiled import MODES, gemm_backends
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import decode_bytes_per_token, measure_bandwidth
@@ -75,6 +75,7 @@ def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = No
                                    f"one chat prompt: {DEFAULT_PROMPT!r}", True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
         engine=EngineCondition("native", {"threads": torch.get_num_threads(), "compile_mode": compile_mode,
+                                          "gemm_backends": gemm_backends(compile_mode),
                                           "quantized": "rtn weights, bf16 activations, tied lm_head/embedding bf16"},
                                warmup="one 8-token generation per configuration and step, excluded (it compiles "
                                       "the compiled step: compile_s)" if compile_mode else

@@ -33,6 +33,11 @@ DEFAULT_MODE = "max-autotune-no-cudagraphs"
 CUDA_DEFAULT_MODE = "reduce-overhead"  # gpt-fast's: a batch-1 step is a few hundred kernel launches, one graph here
 SETTINGS = ("auto", "eager", *MODES)
 COMPILE_ENV = "QUANTSPEC_COMPILE"  # what ``auto`` means on this machine, e.g. eager for a quick test run
+# max-autotune on CPU chooses among inductor's C++ GEMM templates only: faster than with ATen / oneDNN candidates
+# beside them, and its multi-token steps' rows bitwise the one-token step's, where those candidates made verification
+# rows differ (bench/results/compile_options.*.json); inductor's linear lowerings add ATen's kernel where no template
+# fits, and a build that fails anyway runs the eager step, labelled
+CPU_GEMM_BACKENDS = "CPP"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,14 @@ def resolve_compile(setting: str = "auto", device: str = "cpu") -> CompileChoice
     return CompileChoice(asked, None, f"fallback: {missing}") if missing else CompileChoice(asked, setting)
 
 
+def gemm_backends(mode: str | None, device: str = "cpu") -> str | None:
+    """The GEMM candidates a step compiled in ``mode`` chooses among on ``device`` (None: inductor's default, or no
+    choice made: no max-autotune, or eager)."""
+    if mode and torch._inductor.list_mode_options(mode).get("max_autotune") and device == "cpu":
+        return CPU_GEMM_BACKENDS
+    return None
+
+
 def use_cache_dir() -> str:
     """Inductor's on-disk cache under ``$QUANTSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says where."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(quantspec_home() / "inductor"))
@@ -121,6 +134,9 @@ class CompiledStep:
         # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
         self._config = {**torch._inductor.list_mode_options(mode), "freezing": True,
                         "max_autotune_report_choices_stats": False}
+        backends = gemm_backends(mode, model.embed_tokens.weight.device.type)
+        if backends:
+            self._config["max_autotune_gemm_backends"] = backends
         # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
         # decoders (each guarded on its own cache tensors) would pile up there and, past dynamo's recompile limit,
         # fall back to eager; this cache (and its frozen weights) goes when the step does

@@ -6,7 +6,7 @@ import torch
 
 from conftest import require_bf16_exact
 from quant.kvcache import make_cache_factory
-from runtime.compiled import COMPILE_ENV, DEFAULT_MODE, CompiledStep, resolve_compile
+from runtime.compiled import COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends, resolve_compile
 from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
@@ -309,6 +309,9 @@ def test_compile_setting_resolves_auto_and_labels_what_runs(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     assert resolve_compile("auto").mode == DEFAULT_MODE and resolve_compile("auto").label == f"compiled ({DEFAULT_MODE})"
     assert resolve_compile("eager").label == "eager" and resolve_compile("default").mode == "default"
+    # max-autotune on a CPU chooses among the C++ GEMM templates only (bench/compile_options.py); nothing else does
+    assert gemm_backends(DEFAULT_MODE) == CPU_GEMM_BACKENDS == "CPP" and gemm_backends(DEFAULT_MODE, "cuda") is None
+    assert gemm_backends("default") is None and gemm_backends(None) is None
     monkeypatch.setenv(COMPILE_ENV, "eager")
     assert resolve_compile("auto").label == f"eager ({COMPILE_ENV}=eager)" and resolve_compile("default").mode
     monkeypatch.setenv(COMPILE_ENV, "fastest")
@@ -342,6 +345,7 @@ def test_native_backend_measures_the_compiled_step(tiny_llama_dir, one_thread, t
 
     engine, tokens = bench("default")
     assert engine.config["step"] == "compiled (default)" and engine.config["compile_s"] > 0
+    assert engine.config["gemm_backends"] is None  # mode default chooses no GEMM candidates
     assert engine.warmup.startswith("engine: compiled (default) step built in")
     eager_engine, eager_tokens = bench("eager")
     assert eager_engine.config["step"] == "eager" and eager_engine.config["compile_s"] == 0
