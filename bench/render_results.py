@@ -266,14 +266,17 @@ def render_quant_decode_compiled(d: dict) -> str:
         table(["config", "scheme", "kernels (layers)", "eager tok/s", "compiled tok/s", "compiled / eager",
                "vs compiled bf16", "target", "met", "% of read roofline", "compile s", "first token differing "
                "from eager", "fallback"], rows),
-        f"Mode `{d['engine']['config']['compile_mode']}`. " + bandwidth_line(r),
+        f"Mode `{d['engine']['config']['compile_mode']}`"
+        + (f", GEMMs chosen among `{d['engine']['config']['gemm_backends']}` only"
+           if d["engine"]["config"].get("gemm_backends") else "") + ". " + bandwidth_line(r),
     ])
 
 
 @bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
-       "The bf16 step as the product builds it (weights frozen and prepacked), the same with max-autotune choosing "
-       "among inductor's C++ GEMM templates only, and two alternatives that leave the weights as graph inputs so "
+       "The bf16 step with weights frozen and prepacked (max-autotune choosing among inductor's C++ GEMM templates "
+       "only, as the product now builds it, or among ATen / oneDNN and the templates, its earlier default), and two "
+       "alternatives that leave the weights as graph inputs so "
        "that one graph, cached on disk, would serve every model of the same shapes (a search's trials): `F.linear` "
        "as is, or each linear as a fused multiply-reduce. Per option: decode speed paired with the eager step, the "
        "five-token verification step's cost over the one-token step and how many of its rows differ bitwise from "
