@@ -6,13 +6,16 @@ on many items. Every run goes through ``evals.harness.evaluate`` (cached under $
 g16, each 4-bit row with the caveat of this model's Q4_1-dequantized body (bench/results/eval_fp4.json).
 ``--set rotation``: W4A8 and W4A4 (int4 activations per token, and per group of 32) each without and with
 ``--rotate hadamard`` (quant/rotation.py), RTN; the summary states KL(unrotated) / KL(rotated) per scheme
-(bench/results/eval_rotation.json). ``--set fp8``: FP8 weights per channel and per 128-block (weight-only, and
+(bench/results/eval_rotation.json). ``--set fp4a``: W4A4 in FP4 (MXFP4, NVFP4: weights and activations, the
+latter's per-layer input global scales calibrated) beside int4 weights and activations in the same groups, and the
+FP4 pair with ``--rotate hadamard`` (bench/results/eval_fp4_act.json). ``--set fp8``: FP8 weights per channel and per 128-block (weight-only, and
 with dynamic per-token activations), FP8_DYNAMIC and static FP8 beside INT8 W8A8 (bench/results/eval_fp8.json).
 A configuration is ``method:scheme[:rotation]``.
 
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4 --limit 100
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set rotation --limit 200
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4a --limit 100
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp8 --limit 100
 """
 from __future__ import annotations
@@ -35,10 +38,13 @@ CONFIGS = ("rtn:w8ch-sym", "rtn:w4g32-asym", "rtn:w4g32-sym", "gptq:w4g32-sym", 
 FP4_CONFIGS = ("rtn:w4g32-asym", "rtn:w4g32-sym", "rtn:w4g16-sym", "rtn:MXFP4A16", "rtn:NVFP4A16")
 ROTATION_CONFIGS = tuple(f"rtn:{scheme}{rotation}" for scheme in ("w4g32-sym_a8tok-dyn", "w4g32-sym_a4tok-dyn",
                                                                   "w4g32-sym_a4g32-dyn") for rotation in ("", ":hadamard"))
+FP4A_CONFIGS = ("rtn:w4g32-sym_a4g32-dyn", "rtn:MXFP4", "rtn:w4g16-sym_a4g16-dyn", "rtn:NVFP4", "rtn:MXFP4:hadamard",
+                "rtn:NVFP4:hadamard")
 FP8_CONFIGS = ("rtn:FP8A16", "rtn:wfp8b128-sym", "rtn:FP8_DYNAMIC", "rtn:wfp8b128-sym_afp8tok-dyn", "rtn:FP8",
                "rtn:W8A8")
 SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json"),
         "rotation": (ROTATION_CONFIGS, "bench/results/eval_rotation.json"),
+        "fp4a": (FP4A_CONFIGS, "bench/results/eval_fp4_act.json"),
         "fp8": (FP8_CONFIGS, "bench/results/eval_fp8.json")}
 Q4_1_ASYM = ("this body is Q4_1-dequantized (4-bit g32 grid with a float offset per block): int4-g32-asym's integer "
              "zero point cannot express that offset, so its re-quantization is NOT near-lossless")
@@ -84,7 +90,8 @@ def main() -> None:
     rows, records = [], []
     for item in args.configs.split(","):
         method, scheme, rotate = (item.split(":") + [None])[:3]
-        point = Config.parse(scheme=scheme, method=method, dtype="fp32", calib=calib if method != "rtn" else None,
+        calibrated = method != "rtn" or parse_scheme(scheme).calibrated_global  # (NVFP4: input global scales)
+        point = Config.parse(scheme=scheme, method=method, dtype="fp32", calib=calib if calibrated else None,
                              rotate=rotate)
         report = evaluate(EvalConfig(point, tasks=tuple(args.tasks.split(",")), limit=args.limit, floor=args.floor,
                                      fidelity_windows=args.fidelity_windows))

@@ -566,6 +566,18 @@ def render_eval_rotation(d: dict) -> str:
     return render_eval_schemes(d, KERNEL_AND_CAVEAT) + "\n\n" + line
 
 
+@bench("eval_fp4_act.json", "W4A4 in FP4 vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4a",
+       "Weights and activations both four-bit, RTN: MXFP4 (E2M1 in g32 blocks with E8M0 scales, activations scaled "
+       "per block as they arrive) beside int4 weights and activations in g32 groups, NVFP4 (g16 blocks, E4M3 scales "
+       "under an fp32 global scale per tensor; each layer's input global scale calibrated on WikiText-2, as "
+       "compressed-tensors' static min-max observer does) beside int4 in g16 groups, and the FP4 pair again with "
+       "`--rotate hadamard`. Every row runs the `simulated` kernel (fake-quantized inputs, dequantized weights): "
+       "quality is real, no speed is claimed. Read the caveat beside the rows: this model's body weights were "
+       "Q4_1-dequantized.")
+def render_eval_fp4_act(d: dict) -> str:
+    return render_eval_rotation(d)
+
+
 @bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",
        "Each row quantized by `quantize_model` and scored on the same WikiText-2 windows; quantize seconds are "
        "wall time on shared cores (they rank methods, they are not speeds).")

@@ -84,8 +84,8 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
              out: Path | str | None = None, overwrite: bool = False, dtype: str = DEFAULT_DTYPE,
              rotate: str | None = None) -> Quantized:
     """Quantize ``model``'s Linear layers with ``scheme`` (preset like W4A16 or label like w4g32-asym) and weight
-    ``method`` (rtn, mse, gptq, awq or a registered one); ``calib`` for methods that need calibration
-    (default: wikitext2, 128 x 512); ``rotate`` (``hadamard``) rotates the model first (quant/rotation.py);
+    ``method`` (rtn, mse, gptq, awq or a registered one); ``calib`` for methods (and NVFP4 activations) that need
+    calibration (default: wikitext2, 128 x 512); ``rotate`` (``hadamard``) rotates the model first (quant/rotation.py);
     ``out``: also write a compressed-tensors checkpoint there."""
     parsed = parse_scheme(scheme)
     weight_method = get_method(method, parsed.weights)
@@ -104,7 +104,7 @@ def quantize(model: str | LoadedModel, scheme: str, method: str = "rtn", calib: 
     if parsed.static_activations:  # calibrated input scales (mse observer)
         report = quantize_w8a8(lm, parsed, method, calib)
     else:
-        needs = weight_method.needs_calibration
+        needs = weight_method.needs_calibration or parsed.calibrated_global
         report = quantize_model(lm, parsed, method, (calib or CalibConfig()) if needs else None, rotate=rotate)
     logger.info("fidelity of the quantized model")
     fidelity = token_fidelity(ref_logits, sequence_logits(lm, seqs))

@@ -182,12 +182,14 @@ def quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tenso
     return quantize_per_tensor(x, input_scale, spec), input_scale.reshape(1)
 
 
-def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None):
-    """Quantize-dequantize ``x`` per ``spec`` in its dtype (microscaling formats: compressed-tensors' own)."""
+def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, input_scale: torch.Tensor | None = None,
+                             global_scale: torch.Tensor | None = None):
+    """Quantize-dequantize ``x`` per ``spec`` in its dtype (microscaling formats: compressed-tensors' own, NVFP4's
+    under the layer's calibrated ``global_scale``)."""
     if spec.number.microscaled:
         import quant.microscale  # loads compressed-tensors (seconds): only for these formats
 
-        return quant.microscale.fake_quantize_activation(x, spec)
+        return quant.microscale.fake_quantize_activation(x, spec, global_scale)
     q, scale = quantize_activation(x, spec, input_scale)
     return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
@@ -211,15 +213,22 @@ def watch_linear_inputs(model: nn.Module, names: list[str], observer: str = "min
 
 
 @torch.no_grad()  # not inference_mode: the scales become buffers of modules used outside it
+def observe_linear_inputs(model, batches: list[torch.Tensor], names: list[str], observer: str = "minmax",
+                          **kwargs) -> dict[str, Observer]:
+    """Each named Linear's input observer after the token batches [B, T] ran through ``model``."""
+    if not batches:
+        raise UserError("calibration needs at least one sample; give calibration text")
+    with watch_linear_inputs(model, names, observer, **kwargs) as observers:
+        for tokens in batches:
+            model.setup_cache(tokens.shape[0], tokens.shape[1])
+            model(tokens, torch.arange(tokens.shape[1]))
+    return observers
+
+
 def calibrate_input_scales(model, batches: list[torch.Tensor], names: list[str], observer: str = "minmax",
                            act: ActSpec = STATIC_INT8, **kwargs) -> dict[str, torch.Tensor]:
     """Static per-tensor input scales ``range / qmax`` of ``act``'s codes (int8: 127, fp8: 448) for the named
     Linears, from token batches [B, T]."""
-    if not batches:
-        raise UserError("calibration needs at least one sample; give calibration text")
-    with watch_linear_inputs(model, names, observer, act=act, **kwargs) as observers:
-        for tokens in batches:
-            model.setup_cache(tokens.shape[0], tokens.shape[1])
-            model(tokens, torch.arange(tokens.shape[1]))
+    observers = observe_linear_inputs(model, batches, names, observer, act=act, **kwargs)
     return {n: check_scale(input_scale_from_range(o.range(), act), f"input scale of {n}")
             for n, o in observers.items()}

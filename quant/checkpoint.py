@@ -6,7 +6,7 @@
 ``nvfp4-pack-quantized`` and ``mxfp8-quantized`` for the microscaling formats, ...), safetensors weights named
 ``model.layers.N....weight_packed | weight_scale | weight_zero_point | weight_shape`` (or int8 / float8_e4m3fn
 ``weight`` for the other formats; E8M0 ``weight_scale`` as uint8 exponents for MX, E4M3 ``weight_scale`` and fp32
-``weight_global_scale`` for NVFP4), the tokenizer and the generation config. Packing is done by
+``weight_global_scale`` for NVFP4, and ``input_global_scale`` for its activations), the tokenizer and the generation config. Packing is done by
 compressed-tensors' own compressors (the format is the one it infers for the scheme). The directory appears
 atomically (temp dir + rename).
 
@@ -78,9 +78,10 @@ def scheme_from_ct(group: QuantizationScheme, ignore: list[str]) -> QuantScheme:
     acts = None
     if a is not None:
         a_number = _number_type(a)
-        if a_number is None or a.strategy not in ("token", "tensor", "group"):
+        if a_number is None or a.strategy not in ("token", "tensor", "group", "tensor_group"):
             raise UserError(f"activation format {a.model_dump(exclude_none=True)} is not supported natively")
-        acts = ActSpec(a.num_bits, a.strategy, bool(a.dynamic), a.symmetric, a_number, a.group_size)
+        a_granularity = "group" if a.strategy == "tensor_group" else a.strategy
+        acts = ActSpec(a.num_bits, a_granularity, bool(a.dynamic), a.symmetric, a_number, a.group_size)
     return QuantScheme(weights, acts, tuple(ignore))
 
 
@@ -100,6 +101,8 @@ def _compressed_layer(layer: QuantizedLinear, qscheme: QuantizationScheme, compr
         local["bias"] = layer.bias.detach()
     if getattr(layer.kernel, "input_scale", None) is not None:  # static W8A8 (quant/w8a8.py)
         local["input_scale"] = layer.kernel.input_scale
+    if getattr(layer.kernel, "input_global_scale", None) is not None:  # NVFP4 activations
+        local["input_global_scale"] = layer.kernel.input_global_scale
     return compressor.compress(local, qscheme)
 
 
@@ -211,6 +214,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
     layers = {name: _layer_codes(state, name, scheme.weights, qconfig.format) for name in qnames}
     biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
     input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
+    global_inputs = {name: state.pop(f"{name}.input_global_scale") for name in qnames
+                     if f"{name}.input_global_scale" in state}
 
     # dense parts first: the quantized layers' scales keep the dtype they were saved in
     model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path), attention=attention)
@@ -219,6 +224,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
                                                    scheme.activations, dtype, global_scale=gscale))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
+    for name, scale in global_inputs.items():  # NVFP4 activations
+        model.get_submodule(name).kernel.set_input_global_scale(scale)
     if CONFIG_KEY in config:  # R1 and R2 are in the weights; R4 runs online
         reinstall(model, config[CONFIG_KEY])
     return model.eval()

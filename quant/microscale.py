@@ -1,5 +1,6 @@
 """Microscaling formats (MXFP4, MXFP8, NVFP4) by compressed-tensors' own functions, so our codes are theirs
-(weights; and the dynamic per-group activations of MXFP4 / MXFP8).
+(weights; and the dynamic per-group activations of MXFP4 / MXFP8 / NVFP4, whose per-tensor global scale
+``quant.quantize`` calibrates per layer as its ``static_minmax`` observer does: ``range_global_scale``).
 
 Scales come from ``calculate_qparams`` (MX: the group's absmax rounded to a power of two by
 ``generate_mx_scales``, kept as E8M0 exponents on export; NVFP4: ``global * absmax / 6`` rounded to E4M3, with the
@@ -24,6 +25,7 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
 
 from quant.scheme import ActSpec, WeightSpec
+from runtime.errors import UserError
 
 
 @contextmanager
@@ -41,11 +43,19 @@ def ct_args(spec: WeightSpec | ActSpec) -> QuantizationArgs:
     if number.microscaled:
         extra = {"scale_dtype": number.scale_dtype, "zp_dtype": number.scale_dtype,
                  "strategy": "tensor_group" if number.global_scale else "group"}
+        if isinstance(spec, ActSpec) and spec.calibrated_global:  # compressed-tensors' NVFP4 preset
+            extra |= {"dynamic": "local", "observer": "static_minmax"}
     elif spec.granularity == "block":
         extra = {"block_structure": [spec.group_size, spec.group_size], "group_size": None}
     return QuantizationArgs(**{"num_bits": spec.bits, "type": number.ct_type, "symmetric": spec.symmetric,
                                "strategy": spec.granularity, "group_size": spec.group_size,
                                "dynamic": isinstance(spec, ActSpec) and spec.dynamic, **extra})
+
+
+def range_global_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor fp32 scale [1] of values within ``[-absmax, absmax]`` (``generate_gparam``)."""
+    absmax = absmax.float().amax()
+    return generate_gparam(-absmax, absmax)
 
 
 def global_scale(w: torch.Tensor) -> torch.Tensor:
@@ -88,10 +98,14 @@ def loaded_scale(stored: torch.Tensor, spec: WeightSpec, gscale: torch.Tensor | 
     return scale / gscale if gscale is not None else scale
 
 
-def fake_quantize_activation(x: torch.Tensor, spec: ActSpec) -> torch.Tensor:
+def fake_quantize_activation(x: torch.Tensor, spec: ActSpec, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dynamic quantize-dequantize of a Linear input per group (compressed-tensors' ``forward_quantize`` for
-    dynamic activations: ``compute_dynamic_scales_and_zp``, then ``fake_quantize``), in ``x``'s dtype."""
+    dynamic activations: ``compute_dynamic_scales_and_zp``, then ``fake_quantize``), in ``x``'s dtype; NVFP4's group
+    scales under the layer's calibrated ``global_scale``."""
+    if spec.calibrated_global and global_scale is None:
+        raise UserError(f"{spec.label} needs each layer's calibrated input global scale: quantize with "
+                        "quant.quantize.quantize_model, which calibrates it")
     args = ct_args(spec)
     with eager():
-        scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
-        return ct_fake_quantize(x, scale, zero, args)
+        scale, zero = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=global_scale)
+        return ct_fake_quantize(x, scale, zero, args, global_scale=global_scale)

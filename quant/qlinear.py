@@ -287,11 +287,15 @@ class SimulatedKernel(Kernel):
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("zero", zero.to(torch.int8).contiguous())
         self.register_buffer("weight", dequantize(self.q, self.scale, self.zero, spec, dtype), persistent=False)
+        self.register_buffer("input_global_scale", None)  # NVFP4 activations: calibrated per layer
         self._pack = DensePack()
+
+    def set_input_global_scale(self, scale: torch.Tensor) -> None:
+        self.register_buffer("input_global_scale", scale.float().reshape(1))
 
     def forward(self, x):
         if self.act is not None:
-            x = fake_quantize_activation(x, self.act)
+            x = fake_quantize_activation(x, self.act, global_scale=self.input_global_scale)
         if x.dtype == self.weight.dtype:
             return self._pack.linear(x, self.weight)
         return F.linear(x, self.weight.to(x.dtype))

@@ -15,7 +15,7 @@ from torch import nn
 
 from runtime.errors import UserError
 from runtime.loading import LoadedModel
-from quant.actquant import calibrate_input_scales
+from quant.actquant import calibrate_input_scales, check_scale, observe_linear_inputs
 from quant.calibration import CalibConfig, calibration_batches, collect_layer_stats
 from quant.methods import LayerStats, get_method
 from quant.smoothquant import apply_smoothquant
@@ -120,6 +120,16 @@ def _output_error(stats: LayerStats | None, w: torch.Tensor, w_hat: torch.Tensor
     return ((x @ (w - w_hat).T).norm() / (x @ w.T).norm().clamp_min(1e-12)).item()
 
 
+def calibrate_input_global_scales(lm: LoadedModel, calib, names: list[str]) -> dict[str, torch.Tensor]:
+    """NVFP4 activations' per-tensor scale of each named Linear's input: ``range_global_scale`` of the range it took
+    over the calibration set (compressed-tensors' ``static_minmax`` observer)."""
+    from quant.microscale import range_global_scale  # loads compressed-tensors: these formats only
+
+    batches = [torch.tensor([b]) for b in calibration_batches(calib, lm)]
+    observers = observe_linear_inputs(lm.model, batches, names, "minmax")
+    return {n: check_scale(range_global_scale(o.range()), f"input global scale of {n}") for n, o in observers.items()}
+
+
 @torch.no_grad()
 def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
                    progress: bool = True, rotate: str | None = None) -> QuantReport:
@@ -146,6 +156,11 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         calib_label = calib.label
         stats = collect_layer_stats(lm, calibration_batches(calib, lm), names, need=weight_method.needs)
     transform_info = weight_method.transform(lm, stats, spec) | ({"rotation": rotation} if rotation else {})
+    input_global_scales = {}
+    if scheme.calibrated_global:  # NVFP4 activations
+        calib = calib or CalibConfig()
+        calib_label = calib.label
+        input_global_scales = calibrate_input_global_scales(lm, calib, names)
 
     layers = []
     for name in track(names, description=f"quantizing {scheme.label} ({method})", disable=not progress,
@@ -162,6 +177,8 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
         result = weight_method.quantize_weight(w_in, spec, layer_stats)
         qlinear = QuantizedLinear.from_result(result, spec, linear.in_features, linear.bias, scheme.activations,
                                               lm.dtype)
+        if name in input_global_scales:
+            qlinear.kernel.set_input_global_scale(input_global_scales[name])
         w_hat = qlinear.dequantized_weight()
         model.set_submodule(name, qlinear)
         layers.append(LayerReport(

@@ -8,10 +8,12 @@ number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8
 ``mxfp`` / ``nvfp`` for the microscaling formats (``mxfp4`` = E2M1 and ``mxfp8`` = E4M3 codes in groups of 32
 with E8M0 power-of-two scales; ``nvfp4`` = E2M1 in groups of 16 with E4M3 scales times one fp32 global scale
 per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8tok-dyn``, ``wmxfp4g32-sym``,
-``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``w3g32-sym@ignore=lm_head``, ``w4g32-sym_a4tok-dyn`` and
+``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``wnvfp4g16-sym_anvfp4g16-dyn`` (NVFP4 activations: E4M3 group
+scales computed per input, under one per-tensor global scale calibrated per layer), ``w3g32-sym@ignore=lm_head``, ``w4g32-sym_a4tok-dyn`` and
 ``w4g32-sym_a4g32-dyn`` (int4 activations, dynamic per token / per group of 32 columns; simulated kernel).
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
-``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``MXFP8``, ...);
+``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``NVFP4``, ``MXFP8``,
+...);
 ``FP8A16`` (FP8 weights only) is ours: compressed-tensors has no such preset.
 """
 from __future__ import annotations
@@ -144,7 +146,8 @@ class WeightSpec(_Coded):
 class ActSpec(_Coded):
     """Input-activation quantization of Linear layers: 8-bit int or fp8, per-token dynamic or per-tensor static;
     4-bit int, dynamic per token or per group of ``group_size`` columns (simulated kernel); or a microscaling format
-    (MXFP4, MXFP8), dynamic per group of its block."""
+    (MXFP4, NVFP4, MXFP8), dynamic per group of its block (NVFP4's group scales sit under a per-tensor global scale
+    calibrated per layer: ``calibrated_global``)."""
 
     bits: int = 8
     granularity: str = "token"  # token | tensor | group (microscaling formats)
@@ -156,9 +159,6 @@ class ActSpec(_Coded):
     def __post_init__(self):
         number = _check_number("activation", self.type, self.bits, self.symmetric)
         if number.microscaled:
-            if number.global_scale:
-                raise UserError(f"{self.type} activations need a calibrated per-tensor global scale, which is not "
-                                "built: use weight-only NVFP4A16, or MXFP4 (dynamic E8M0 group scales)")
             if (self.granularity, self.group_size, self.dynamic) != ("group", number.group_size, True):
                 raise UserError(f"{self.type} activations are quantized dynamically per group of "
                                 f"{number.group_size}: use a{number.prefix}{self.bits}g{number.group_size}-dyn")
@@ -182,6 +182,11 @@ class ActSpec(_Coded):
                             f"(a{number.prefix}{self.bits}tok-dyn)")
 
     @property
+    def calibrated_global(self) -> bool:
+        """Whether its dynamic group scales sit under a per-tensor global scale calibrated per layer (NVFP4)."""
+        return self.number.global_scale
+
+    @property
     def qmax(self) -> int | float:
         """Symmetric activation codes lie in [-qmax, qmax] (int8: 127, fp8: 448)."""
         return self.number.qrange(self.bits)[1]
@@ -203,6 +208,11 @@ class QuantScheme:
     def static_activations(self) -> bool:
         """Whether its activations use calibrated per-tensor input scales."""
         return self.activations is not None and not self.activations.dynamic
+
+    @property
+    def calibrated_global(self) -> bool:
+        """Whether its activations' per-tensor global scales are calibrated when it is quantized (NVFP4)."""
+        return self.activations is not None and self.activations.calibrated_global
 
     @property
     def label(self) -> str:
@@ -246,6 +256,8 @@ register_preset("NVFP4A16", QuantScheme(WeightSpec(4, True, "group", 16, type="n
 register_preset("MXFP8A16", QuantScheme(WeightSpec(8, True, "group", 32, type="mxfp")))
 register_preset("MXFP4", QuantScheme(PRESETS["MXFP4A16"].weights,
                                      ActSpec(4, "group", True, type="mxfp", group_size=32)))
+register_preset("NVFP4", QuantScheme(PRESETS["NVFP4A16"].weights,
+                                     ActSpec(4, "group", True, type="nvfp", group_size=16)))
 register_preset("MXFP8", QuantScheme(PRESETS["MXFP8A16"].weights,
                                      ActSpec(8, "group", True, type="mxfp", group_size=32)))
 

