@@ -10,6 +10,8 @@ g16, each 4-bit row with the caveat of this model's Q4_1-dequantized body (bench
 latter's per-layer input global scales calibrated) beside int4 weights and activations in the same groups, and the
 FP4 pair with ``--rotate hadamard`` (bench/results/eval_fp4_act.json). ``--set fp8``: FP8 weights per channel and per 128-block (weight-only, and
 with dynamic per-token activations), FP8_DYNAMIC and static FP8 beside INT8 W8A8 (bench/results/eval_fp8.json).
+``--set head``: int8 and int4 g32 weights with the LM head kept bf16 (the default) and quantized too (``@ignore=``),
+what the head's bytes buy at decode (bench/results/eval_head.json).
 A configuration is ``method:scheme[:rotation]``.
 
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --limit 200
@@ -17,6 +19,7 @@ A configuration is ``method:scheme[:rotation]``.
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set rotation --limit 200
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp4a --limit 100
     flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set fp8 --limit 100
+    flock /tmp/qs-bench.lock .venv/bin/python bench/eval_schemes.py --set head --limit 100
 """
 from __future__ import annotations
 
@@ -42,10 +45,11 @@ FP4A_CONFIGS = ("rtn:w4g32-sym_a4g32-dyn", "rtn:MXFP4", "rtn:w4g16-sym_a4g16-dyn
                 "rtn:NVFP4:hadamard")
 FP8_CONFIGS = ("rtn:FP8A16", "rtn:wfp8b128-sym", "rtn:FP8_DYNAMIC", "rtn:wfp8b128-sym_afp8tok-dyn", "rtn:FP8",
                "rtn:W8A8")
+HEAD_CONFIGS = ("rtn:W8A16", "rtn:w8ch-sym@ignore=", "rtn:w4g32-sym", "rtn:w4g32-sym@ignore=")
 SETS = {"schemes": (CONFIGS, "bench/results/eval_schemes.json"), "fp4": (FP4_CONFIGS, "bench/results/eval_fp4.json"),
         "rotation": (ROTATION_CONFIGS, "bench/results/eval_rotation.json"),
         "fp4a": (FP4A_CONFIGS, "bench/results/eval_fp4_act.json"),
-        "fp8": (FP8_CONFIGS, "bench/results/eval_fp8.json")}
+        "fp8": (FP8_CONFIGS, "bench/results/eval_fp8.json"), "head": (HEAD_CONFIGS, "bench/results/eval_head.json")}
 Q4_1_ASYM = ("this body is Q4_1-dequantized (4-bit g32 grid with a float offset per block): int4-g32-asym's integer "
              "zero point cannot express that offset, so its re-quantization is NOT near-lossless")
 Q4_1_OTHER = "re-quantizes Q4_1-dequantized 4-bit weights: need not transfer to natively trained checkpoints"

@@ -252,24 +252,48 @@ def bandwidth_line(r: dict) -> str:
 
 @bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
        "bf16, int8 and int4 g32 on the eager and on the compiled one-token step (runtime/compiled.py: inductor, weights "
-       "frozen), the quantized linears with their own kernels inside the graph; ratios to the compiled bf16 step in "
-       "the same run (the compiled-path issue's targets), compile time apart, and where the compiled greedy output first differs "
-       "from the eager one (bf16 rounding; not a verdict).")
+       "frozen), the quantized linears with their own kernels inside the graph, with the LM head kept bf16 (the "
+       "default schemes) and quantized too (`+ head`: `@ignore=`, an untied copy; the embedding lookup stays bf16); "
+       "ratios to the compiled bf16 step (the compiled-path issue's targets), in paired, interleaved rounds where "
+       "the record has a CI, beside the byte ceiling (bf16 bytes per token over the row's: what a purely "
+       "bandwidth-bound step would reach), compile time apart, and where the compiled greedy output first differs "
+       "from the eager one (bf16 rounding, or the quantized head; not a verdict).")
 def render_quant_decode_compiled(d: dict) -> str:
     r = d["results"]
     rows = [[x["engine"], x["scheme"], kernels_text(x.get("kernels")), num(x["decode_tok_s"], 1),
-             num(x["compiled_tok_s"], 1), num(x["compiled_over_eager"]) + "x", num(x["vs_bf16_compiled"]) + "x",
+             num(x["compiled_tok_s"], 1), num(x["compiled_over_eager"]) + "x",
+             with_ci(x["vs_bf16_compiled"], x.get("vs_bf16_compiled_ci"), ".2f", "x"),
+             "–" if x.get("bytes_ceiling") is None else num(x["bytes_ceiling"]) + "x",
              "–" if x["target_vs_bf16_compiled"] is None else f">= {num(x['target_vs_bf16_compiled'], 1)}x",
              num(x["meets_target"]), num(x["compiled_roofline_pct"], 0), num(x["compile_s"], 0),
              num(x["first_diff_vs_eager"]), num(x["fallback"])] for x in r["rows"]]
     return "\n\n".join([
         table(["config", "scheme", "kernels (layers)", "eager tok/s", "compiled tok/s", "compiled / eager",
-               "vs compiled bf16", "target", "met", "% of read roofline", "compile s", "first token differing "
-               "from eager", "fallback"], rows),
+               "vs compiled bf16", "byte ceiling", "target", "met", "% of read roofline", "compile s",
+               "first token differing from eager", "fallback"], rows),
         f"Mode `{d['engine']['config']['compile_mode']}`"
         + (f", GEMMs chosen among `{d['engine']['config']['gemm_backends']}` only"
            if d["engine"]["config"].get("gemm_backends") else "") + ". " + bandwidth_line(r),
     ])
+
+
+@bench("step_attention.*.json", "Attention inside the compiled step: SDPA, eager, fused reduce",
+       "bench/step_attention.py",
+       "A compiled step reads every position of its preallocated KV cache (one graph for every position). The bf16 "
+       "one-token step of the default model with torch's SDPA kernel (the step's attention for SDPA models before "
+       "this record), with the batch-invariant `eager` attention (what the native serving backend loads, for exact "
+       "bf16 speculation) and with `reduce_attention` (fp32 multiply-reduce over head dim and keys, fused by "
+       "inductor: the product's compiled attention for SDPA models on CPU since), each paired with SDPA in "
+       "interleaved rounds, over the short cache the decode benches allocate and the long one `quantspec bench` "
+       "allocates by default; over the short cache, how many rows of each one's five-token verification step differ "
+       "bitwise from its one-token step (greedy speculation needs none).")
+def render_step_attention(d: dict) -> str:
+    rows = [[x["cache_len"], x["attention"], num(x["tok_s"], 1), num(x["sdpa_tok_s"], 1),
+             with_ci(x["over_sdpa"], x["over_sdpa_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else ""),
+             x["rounds"], f"{num(x['build_s'], 0)} / {num(x['sdpa_build_s'], 0)}", num(x["first_diff_vs_sdpa"]),
+             num(x["verify_rows_differing"])] for x in d["results"]["rows"]]
+    return table(["cache positions", "attention", "tok/s", "SDPA tok/s", "vs SDPA [95% CI]", "rounds",
+                  "build s (it / SDPA)", "first token differing from SDPA", "verification rows differing"], rows)
 
 
 @bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
@@ -576,6 +600,13 @@ def render_eval_rotation(d: dict) -> str:
        "Q4_1-dequantized.")
 def render_eval_fp4_act(d: dict) -> str:
     return render_eval_rotation(d)
+
+
+bench("eval_head.json", "Quantizing the LM head too: accuracy, flips, KL", "bench/eval_schemes.py --set head",
+      "int8 per channel and int4 g32 symmetric weights, RTN, with the LM head kept bf16 (the default schemes: "
+      "compressed-tensors ignores `lm_head`) and quantized too (`@ignore=`: the tied head becomes its own quantized "
+      "copy, the embedding lookup stays bf16). What the head's bytes buy at batch-one decode is in the compiled "
+      "decode table above; this is what they cost in quality. Read the caveat beside the 4-bit rows.")(render_eval_fp4)
 
 
 @bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",

@@ -80,14 +80,13 @@ class QuantReport:
 
 
 def quantizable_linears(model: nn.Module, scheme: QuantScheme) -> tuple[list[str], list[str]]:
-    """(Linear layers to quantize, Linear layers kept dense). A tied LM head always stays dense."""
-    embed = getattr(model, "embed_tokens", None)
+    """(Linear layers to quantize, Linear layers kept dense). The LM head is quantized only where the scheme's
+    ignore list leaves it out (``@ignore=`` with no ``lm_head``); a tied one is then untied by ``quantize_model``,
+    so the embedding lookup stays dense."""
     chosen, dense = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        tied = embed is not None and module.weight is embed.weight
-        (dense if tied or is_ignored(scheme, name) else chosen).append(name)
+        if isinstance(module, nn.Linear):
+            (dense if is_ignored(scheme, name) else chosen).append(name)
     return chosen, dense
 
 
@@ -146,7 +145,9 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
     spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
     plan_layers(lm, scheme)  # refusals before the rotation changes the model
     rotation = apply_rotation(lm, rotate)
-    names, dense = plan_layers(lm, scheme)  # a rotation unties a tied LM head
+    names, dense = plan_layers(lm, scheme)
+    if "lm_head" in names:  # the head's own quantized copy; the embedding stays as it was
+        model.untie_lm_head()
     modules = dict(model.named_modules())
 
     stats: dict[str, LayerStats] = {}

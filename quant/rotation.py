@@ -93,12 +93,6 @@ def _fold_norms(model: Transformer) -> None:
         group.producer.weight.fill_(1.0)
 
 
-def _untie(model: Transformer) -> None:
-    if model.lm_head.weight is model.embed_tokens.weight:
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
-    model.args.tie_word_embeddings = False
-
-
 def recorded_rotation(model: str | Path) -> dict | None:
     """The rotation a local checkpoint's config.json records (None: not rotated, or not a local checkpoint)."""
     config = Path(model) / "config.json"
@@ -125,7 +119,7 @@ def rotate_hadamard(lm, seed: int = 0) -> dict:
         raise UserError(f"{lm.path} is quantized: rotate the full-precision model (--rotate while quantizing it)")
     args = model.args
     m = hadamard_matrices(args, seed)  # refusals before any change
-    _untie(model)
+    model.untie_lm_head()
     _fold_norms(model)
     r1, r1t = m.r1, m.r1.T
     for reader in (model.embed_tokens, model.lm_head):  # [vocab, dim] each, rows in the residual basis: W -> W Q

@@ -11,6 +11,9 @@ per tensor). Examples: ``w4g32-asym``, ``w8ch-sym_a8tok-dyn``, ``wfp8ch-sym_afp8
 ``wmxfp4g32-sym_amxfp4g32-dyn``, ``wnvfp4g16-sym``, ``wnvfp4g16-sym_anvfp4g16-dyn`` (NVFP4 activations: E4M3 group
 scales computed per input, under one per-tensor global scale calibrated per layer), ``w3g32-sym@ignore=lm_head``, ``w4g32-sym_a4tok-dyn`` and
 ``w4g32-sym_a4g32-dyn`` (int4 activations, dynamic per token / per group of 32 columns; simulated kernel).
+``@ignore=`` lists the Linear layers kept dense (name, last components or glob), replacing the default
+``lm_head``: ``w8ch-sym@ignore=`` quantizes the LM head too (a tied one as its own copy; the embedding stays dense),
+which is what a decode step streams beside the body at batch 1.
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
 ``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``NVFP4``, ``MXFP8``,
 ...);
@@ -272,8 +275,10 @@ def parse_scheme(text: str) -> QuantScheme:
     """A preset name (case-insensitive), ``none``, or a compact label; anything else is a UserError."""
     if text.lower() == "none":
         return QuantScheme(None)
-    if text.upper() in PRESETS:
-        return PRESETS[text.upper()]
+    preset, suffix, ignore = text.partition("@ignore=")
+    if preset.upper() in PRESETS:  # a preset, with its own ignore list if one follows
+        scheme = PRESETS[preset.upper()]
+        return replace(scheme, ignore=tuple(x for x in ignore.split(",") if x)) if suffix else scheme
     m = _LABEL.match(text.strip().lower())
     if not m:
         raise UserError(f"unknown scheme {text!r}: use a preset ({', '.join(PRESETS)}) or a label like "

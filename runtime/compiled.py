@@ -2,7 +2,8 @@
 
 A step takes n tokens and their positions as a tensor and attends over the whole preallocated KV cache, with a
 mask hiding positions not yet written, so its shapes depend on n only and one ``torch.compile`` graph serves every
-position (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor). A ``Decoder``
+position (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor; on CPU the
+attention is ``reduce_attention``, fused by inductor, where SDPA's kernel made reading the whole cache slow). A ``Decoder``
 compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
 step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
 
@@ -108,12 +109,41 @@ def quiet_autotune():
         select_algorithm.PRINT_AUTOTUNE = before
 
 
+def reduce_attention(q, k, v, mask):
+    """Attention of a few queries over the whole cache as fp32 multiply-reduce over head dim and keys, which
+    inductor fuses into a loop nest per head group: on CPU several times faster than SDPA's flash kernel over a
+    preallocated cache (bench/results/quant_decode_compiled.*.json), since a compiled step reads every position.
+    Only for compiled steps: eager, it would materialise a [queries, keys, head_dim] product."""
+    bsz, n_heads, seqlen, head_dim = q.shape
+    n_kv, group = k.shape[1], n_heads // k.shape[1]
+    q = q.reshape(bsz, n_kv, group * seqlen, 1, head_dim).float()
+    scores = (q * k[:, :, None].float()).sum(-1) * head_dim ** -0.5  # [batch, kv heads, group * len, keys]
+    if mask is not None:  # [len, keys] or [batch, 1, len, keys]: insert the group axis
+        scores = scores.view(bsz, n_kv, group, seqlen, -1).masked_fill(~mask[..., None, :, :], float("-inf"))
+    probs = torch.softmax(scores.view(bsz, n_kv, group * seqlen, -1), -1)
+    out = (probs[..., None] * v[:, :, None].float()).sum(-2)
+    return out.to(v.dtype).view(bsz, n_heads, seqlen, head_dim)
+
+
+def step_attention(model: Transformer):
+    """The attention a compiled step of ``model`` runs: ``reduce_attention`` for SDPA on CPU; otherwise the
+    model's own (None: batch-invariant "eager" attention keeps its construction; on a GPU SDPA's kernels are the
+    fast ones)."""
+    sdpa_on_cpu = model.attn_implementation == "sdpa" and model.embed_tokens.weight.device.type == "cpu"
+    return reduce_attention if sdpa_on_cpu else None
+
+
+def step_attention_name(model: Transformer) -> str:
+    """What records call the attention of ``model``'s compiled steps."""
+    return "reduce" if step_attention(model) else model.attn_implementation
+
+
 def static_step(model: Transformer, tokens: torch.Tensor,
                 input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
-    reading every cache position (masked, causal within the n tokens)."""
+    reading every cache position (masked, causal within the n tokens) with ``step_attention``."""
     mask = torch.arange(model.max_len, device=tokens.device)[None, :] <= input_pos[:, None]
-    return model.run(tokens, input_pos, mask, model.max_len)
+    return model.run(tokens, input_pos, mask, model.max_len, attend=step_attention(model))
 
 
 class CompiledStep:

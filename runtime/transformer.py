@@ -216,6 +216,13 @@ class Transformer(nn.Module):
         self.attn_implementation = attention  # a name in ATTENTION; "eager" is batch-invariant (exact speculation)
         self.rotation: dict | None = None  # what quant/rotation.py applied (exports record it)
 
+    def untie_lm_head(self) -> None:
+        """Give a tied LM head its own copy of the embedding (for a change to one of them alone: a rotation, or
+        quantizing the head while the embedding lookup stays dense)."""
+        if self.lm_head.weight is self.embed_tokens.weight:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().clone(), requires_grad=False)
+        self.args.tie_word_embeddings = False
+
     def setup_cache(self, batch: int, max_len: int, cache_factory=None) -> None:
         """Allocate a fresh KV cache per layer. ``cache_factory(batch, max_len, kv_heads, head_dim, dtype)``
         lets quant/ plug in quantized caches."""
@@ -272,16 +279,16 @@ class Transformer(nn.Module):
 
     def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, length: int,
             n_layers: int | None = None, rope_pos: torch.Tensor | None = None,
-            aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+            aux_layers: tuple[int, ...] = (), attend=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final-norm hidden states, after the outputs of ``aux_layers`` if any) reading the first
         ``length`` cache positions under ``mask``; no branch on tensor values, so ``runtime.compiled`` compiles it
         with ``length`` the whole cache. ``rope_pos``: RoPE positions where they differ from the cache positions
-        (left padding)."""
+        (left padding). ``attend``: an attention function in place of the model's (a compiled step's)."""
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
-        attend = ATTENTION.get(self.attn_implementation)
+        attend = attend or ATTENTION.get(self.attn_implementation)
         aux = []
         for i, layer in enumerate(self.layers[:depth]):
             x = layer(x, cos, sin, input_pos, mask, length, attend)

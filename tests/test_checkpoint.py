@@ -115,3 +115,33 @@ def test_refusals(tiny_llama_dir, tmp_path):
     with pytest.raises(UserError, match="padded"):
         save_compressed(lm, "w4g32-sym+pad", tmp_path / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("untie", [True, False])
+def test_a_quantized_tied_head_is_an_untied_copy_and_round_trips(tmp_path, monkeypatch, untie):
+    """``@ignore=`` (lm_head not ignored) quantizes a tied LM head as its own copy: the embedding lookup keeps its
+    dense weights, the export says untied, our reload computes the same logits and transformers' (which ties a head
+    the config calls tied) agrees with them. Negative control: without the untie, the export calls the head tied and
+    transformers cannot load it."""
+    from transformers import AutoModelForCausalLM
+    from conftest import make_tiny_llama
+    from runtime.transformer import Transformer
+
+    if not untie:
+        monkeypatch.setattr(Transformer, "untie_lm_head", lambda self: None)
+    lm = load_model(str(make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)), "fp32")
+    embedding = lm.model.embed_tokens.weight.detach().clone()
+    report = quantize_model(lm, "w8ch-sym@ignore=", progress=False)
+    assert isinstance(lm.model.lm_head, QuantizedLinear) and report.dense == [] and len(report.layers) == 15
+    assert torch.equal(lm.model.embed_tokens.weight, embedding)
+    out = save_compressed(lm, report, tmp_path / "ck")
+    ours = Decoder(lm, 32).forward(IDS)
+    assert torch.equal(ours, Decoder(load_model(str(out), "fp32"), 32).forward(IDS))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == (not untie)
+    if not untie:
+        with pytest.raises(AttributeError, match="weight"):  # it ties the quantized head to the embedding
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        return
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours, hf(torch.tensor([IDS])).logits[0], atol=0.05, rtol=0.05)

@@ -6,7 +6,8 @@ import torch
 
 from conftest import require_bf16_exact
 from quant.kvcache import make_cache_factory
-from runtime.compiled import COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends, resolve_compile
+from runtime.compiled import (COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends,
+                              reduce_attention, resolve_compile, step_attention)
 from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
@@ -46,6 +47,29 @@ def test_compiled_step_logits_follow_the_weights_it_was_compiled_from(tiny_llama
         perturbed.model.layers[0].mlp.down_proj.weight.mul_(-1)
     _, compiled = greedy(perturbed, "default")
     assert compiled != eager
+
+
+@pytest.mark.parametrize("mask_dims", [2, 4])
+def test_reduce_attention_is_sdpa_over_the_same_keys(mask_dims):
+    """The compiled step's attention on CPU: SDPA's result (fp32) for queries of grouped heads over a partly masked
+    cache, the mask [len, keys] or [batch, 1, len, keys]. Negative control: the same comparison tells the right
+    query-head -> kv-head mapping (h // group) from a wrong one (h % kv heads)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 3, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    mask = torch.arange(40)[None, :] <= torch.tensor([20, 21, 22])[:, None]
+    mask = mask if mask_dims == 2 else mask[None, None]
+    ours = reduce_attention(q, k, v, mask)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                               atol=1e-5, rtol=1e-5)
+    tiled = F.scaled_dot_product_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1), attn_mask=mask)
+    assert not torch.allclose(ours, tiled, atol=1e-3)
+
+
+def test_compiled_steps_attend_with_reduce_on_cpu_unless_the_model_is_batch_invariant(tiny_llama_dir, tiny):
+    assert step_attention(tiny.model) is reduce_attention
+    assert step_attention(load_model(tiny_llama_dir, "fp32", attn_implementation="eager").model) is None
 
 
 def test_one_graph_serves_every_position(tiny):
@@ -175,8 +199,9 @@ def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
 
 
 def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
-    """bench/quant_decode.py --compile's record: bf16, int8 and int4 g32 each eager and compiled (the quantized
-    linears inside the graph, no fallback), ratios to the compiled bf16 step, targets judged, compile time apart."""
+    """bench/quant_decode.py --compile's record: bf16, int8 and int4 g32 (LM head bf16, and quantized too) each eager
+    and compiled (the quantized linears inside the graph, no fallback), ratios to the compiled bf16 step paired in
+    rounds with their CI, beside the byte ceiling, targets judged, compile time apart."""
     import importlib.util
     from pathlib import Path
 
@@ -185,11 +210,17 @@ def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thre
     spec.loader.exec_module(bench)
     record = bench.run(str(tiny_llama_dir), new_tokens=6, repeats=1, compile_mode="default")
     rows = {r["engine"]: r for r in record.results["rows"]}
-    assert list(rows) == ["bf16", "int8 W8A16", "int4 g32"] and record.engine.config["compile_mode"] == "default"
+    assert list(rows) == ["bf16", "int8 W8A16", "int8 W8A16 + head", "int4 g32", "int4 g32 + head"]
+    assert record.engine.config["compile_mode"] == "default"
     assert rows["bf16"]["vs_bf16_compiled"] == 1.0 and rows["bf16"]["meets_target"] is None
     for row in rows.values():
         assert row["fallback"] is None and row["compile_s"] > 0 and row["compiled_tok_s"] > 0
         assert row["meets_target"] in (None, row["vs_bf16_compiled"] >= (row["target_vs_bf16_compiled"] or 0))
+    for name in ("int8 W8A16", "int4 g32"):  # paired with the compiled bf16 step; the head's bytes in the ceiling
+        lo, hi = rows[name]["vs_bf16_compiled_ci"]
+        assert lo <= rows[name]["vs_bf16_compiled"] <= hi and rows[name]["paired"]["rounds"] >= 3
+        assert 1 < rows[name]["bytes_ceiling"] < rows[name + " + head"]["bytes_ceiling"]
+        assert rows[name + " + head"]["kernels_run"]["lm_head"] == rows[name]["kernels_run"]["q_proj"]
     assert bench.first_diff([1, 2, 3], [1, 2, 3]) is None and bench.first_diff([1, 2, 3], [1, 5, 3]) == 1
 
 
@@ -346,9 +377,11 @@ def test_native_backend_measures_the_compiled_step(tiny_llama_dir, one_thread, t
     engine, tokens = bench("default")
     assert engine.config["step"] == "compiled (default)" and engine.config["compile_s"] > 0
     assert engine.config["gemm_backends"] is None  # mode default chooses no GEMM candidates
+    assert engine.config["step_attention"] == "eager"  # the backend's batch-invariant attention, kept when compiled
     assert engine.warmup.startswith("engine: compiled (default) step built in")
     eager_engine, eager_tokens = bench("eager")
     assert eager_engine.config["step"] == "eager" and eager_engine.config["compile_s"] == 0
+    assert eager_engine.config["step_attention"] is None
     assert tokens == eager_tokens
     spec_engine, spec_tokens = bench("default", spec="ngram:min=1,max=2", k=2)
     assert spec_engine.config["step"].startswith(("compiled (default)", "eager (fallback: the compiled "))

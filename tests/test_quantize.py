@@ -49,10 +49,14 @@ def test_replaces_every_body_linear(tiny_llama_dir, label, kernel):
 def test_ignore_patterns_and_tied_head(tmp_path):
     tied = make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
     lm = load_model(str(tied))
-    report = quantize_model(lm, "w8ch-sym@ignore=down_proj", progress=False)
+    report = quantize_model(lm, "w8ch-sym@ignore=lm_head,down_proj", progress=False)
     assert set(report.dense) == {"lm_head", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj"}
-    assert lm.model.lm_head.weight is lm.model.embed_tokens.weight  # the tied head stays dense and tied
+    assert lm.model.lm_head.weight is lm.model.embed_tokens.weight  # an ignored tied head stays dense and tied
     assert len(report.layers) == 12
+    lm = load_model(str(tied))  # an ignore list without lm_head quantizes the head (an untied copy of it)
+    report = quantize_model(lm, "w8ch-sym@ignore=down_proj", progress=False)
+    assert set(report.dense) == {"layers.0.mlp.down_proj", "layers.1.mlp.down_proj"} and len(report.layers) == 13
+    assert isinstance(lm.model.lm_head, QuantizedLinear) and not lm.model.args.tie_word_embeddings
 
 
 def test_padding_runs_for_real(tmp_path):

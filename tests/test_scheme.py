@@ -45,6 +45,9 @@ def test_ignore_matching():
     scheme = parse_scheme("w4g32-sym@ignore=lm_head,layers.0.*,down_proj")
     assert is_ignored(scheme, "lm_head") and is_ignored(scheme, "layers.0.self_attn.q_proj")
     assert is_ignored(scheme, "layers.3.mlp.down_proj") and not is_ignored(scheme, "layers.3.mlp.up_proj")
+    preset = parse_scheme("W8A16@ignore=")  # a preset takes an ignore list too; empty: the LM head is quantized
+    assert preset == parse_scheme("w8ch-sym@ignore=") and preset.label == "w8ch-sym@ignore="
+    assert not is_ignored(preset, "lm_head") and is_ignored(parse_scheme("W8A16"), "lm_head")
 
 
 def ct_args(spec: WeightSpec) -> QuantizationArgs:

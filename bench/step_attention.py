@@ -1,0 +1,126 @@
+"""Which attention a compiled decode step should run on CPU: the compiled bf16 one-token step of the default model
+with SDPA (torch's flash kernel, the step's attention before this bench), with the batch-invariant ``eager``
+attention (what the native serving backend loads, for exact bf16 speculation) and with ``reduce_attention`` (fp32
+multiply-reduce that inductor fuses: the product's for SDPA models since), over KV caches of two lengths. A compiled step reads
+every cache position (one graph for every position), so the cache length, not the tokens written, sets its
+attention cost: the short cache is what ``bench/quant_decode.py`` allocates (prompt + output + 8), the long one is
+``quantspec bench``'s default ``--max-model-len``. Per length the three steps stay resident and each of eager and
+reduce alternates with SDPA in paired rounds of one greedy generation each; over the short cache each one's
+5-token verification step is probed against its one-token step (rows differing bitwise).
+
+Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/step_attention.py [--new-tokens 128] [--long 1024]
+Writes bench/results/step_attention.<machine tag>.json.
+"""
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from evals.decode_speed import DEFAULT_PROMPT, decoder_block, first_diff
+from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
+                          RunRecord, hardware_info)
+from runtime import compiled
+from runtime.argtypes import positive_int
+from runtime.generate import Decoder, encode_prompt
+from runtime.hardware import probe
+from runtime.loading import load_model, set_threads
+from runtime.measure import SpeedProtocol, paired_ratio, with_ci
+from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from runtime.sampling import SamplingConfig
+from runtime.transformer import ATTENTION, sdpa_attention
+from specdec.speculative import compiled_rows_differing
+
+# SDPA under a name of its own: the compiled step keeps a model's attention unless it is "sdpa" on CPU
+# (runtime.compiled.step_attention), so a model loaded with this one compiles SDPA into its step
+ATTENTION.register("sdpa-in-step")(sdpa_attention)
+# the step's attention -> the model's attention ("eager": batch-invariant, kept in its compiled step)
+ATTENTIONS = {"sdpa": "sdpa-in-step", "eager": "eager", "reduce": "sdpa"}
+VERIFY_ROWS = 5  # K = 4
+
+
+def step(model: str, attention: str, max_len: int, prompt_ids: list[int]) -> Decoder:
+    """A compiled bf16 decoder whose steps attend with ``attention``, built in an excluded warm-up."""
+    lm = load_model(model, "bf16", attn_implementation=ATTENTIONS[attention])
+    decoder = Decoder(lm, max_len, compile_mode=compiled.DEFAULT_MODE)
+    decoder.generate(prompt_ids, 8, ignore_eos=True)
+    assert compiled.step_attention_name(lm.model) == {"sdpa": "sdpa-in-step"}.get(attention, attention)
+    return decoder
+
+
+def rows_differing(decoder: Decoder, prompt_ids: list[int]) -> int:
+    """Rows of the compiled 5-token step's logits not bitwise the one-token step's (greedy speculation needs 0)."""
+    decoder.reset()
+    decoder.forward(prompt_ids[:-VERIFY_ROWS])
+    return compiled_rows_differing(decoder, prompt_ids[-VERIFY_ROWS:])[1]
+
+
+def run(model: str, new_tokens: int, long: int) -> RunRecord:
+    prompt_ids = encode_prompt(load_model(model, "bf16").tokenizer, DEFAULT_PROMPT)
+    rows = []
+    short = len(prompt_ids) + new_tokens + 8
+    for max_len in (short, long):
+        steps = {a: step(model, a, max_len, prompt_ids) for a in ATTENTIONS}
+        blocks = {a: decoder_block(d, prompt_ids, new_tokens) for a, d in steps.items()}
+        tokens = {a: d.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True).tokens
+                  for a, d in steps.items()}
+        for attention in ("eager", "reduce"):
+            paired = paired_ratio(blocks["sdpa"], blocks[attention], 1, SpeedProtocol(), "one greedy generation")
+            rows.append({"cache_len": max_len, "attention": attention, "sdpa_tok_s": paired.reference.value,
+                         "tok_s": paired.candidate.value, "over_sdpa": paired.ratio.value,
+                         "over_sdpa_ci": list(paired.ratio.ci), "noisy": paired.noisy, "rounds": paired.rounds,
+                         "build_s": steps[attention].compile_s, "sdpa_build_s": steps["sdpa"].compile_s,
+                         "step": steps[attention].step_label, "first_diff_vs_sdpa": first_diff(tokens[attention],
+                                                                                              tokens["sdpa"]),
+                         "verify_rows_differing": rows_differing(steps[attention], prompt_ids)
+                         if max_len == short else None})
+            print(rows[-1], flush=True)
+    path = load_model(model, "bf16").path
+    return RunRecord(
+        name="step-attention",
+        model=ModelCondition(model, weights_hash(path), "bf16", note=SMOLLM2.note if is_default_model(path) else ""),
+        hardware=hardware_info(),
+        lengths=LengthDistribution(1, {"fixed": len(prompt_ids)}, {"fixed": new_tokens},
+                                   f"one chat prompt: {DEFAULT_PROMPT!r}", True),
+        arrival=ArrivalProcess("batch-1 sequential", 1),
+        engine=EngineCondition("native", {"threads": torch.get_num_threads(), "compile_mode": compiled.DEFAULT_MODE,
+                                          "gemm_backends": compiled.gemm_backends(compiled.DEFAULT_MODE)},
+                               warmup="one 8-token generation per step (it builds the step: build_s), excluded",
+                               cache_warmth="KV cache reset per request; weights resident in RAM"),
+        metric=MetricCondition(
+            {"over_sdpa": "median over paired, interleaved rounds (one greedy generation each, seeded AB/BA order) of "
+                          "the row's step's decode tok/s over the SDPA step's; CI: 95% t-interval of the mean log "
+                          "ratio",
+             "first_diff_vs_sdpa": "first position where the greedy tokens differ from the SDPA step's (bf16 "
+                                   "rounding; not a verdict)",
+             "verify_rows_differing": "rows of the compiled 5-token step's logits not bitwise the one-token step's "
+                                      "at the same positions (greedy speculation needs 0; short cache only)"},
+            "greedy, ignore_eos, fixed output length; speed only"),
+        results={"load_average_1_5_15": os.getloadavg(), "rows": rows},
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
+    parser.add_argument("--long", type=positive_int, default=1024, help="The long cache's length.")
+    parser.add_argument("--threads", type=positive_int, default=None)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    record = run(args.model, args.new_tokens, args.long)
+    table = Table(title="compiled bf16 decode step: attention over the cache")
+    for col in ("cache positions", "attention", "tok/s", "SDPA tok/s", "vs SDPA [95% CI]", "V(4) rows differing"):
+        table.add_column(col, justify="right")
+    for r in record.results["rows"]:
+        table.add_row(str(r["cache_len"]), r["attention"], f"{r['tok_s']:.1f}", f"{r['sdpa_tok_s']:.1f}",
+                      with_ci(r["over_sdpa"], r["over_sdpa_ci"], ".2f", "x"), str(r["verify_rows_differing"]))
+    Console().print(table)
+    out = record.write(Path(__file__).parent / "results" / f"step_attention.{probe().tag}.json")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
