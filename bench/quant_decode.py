@@ -118,7 +118,7 @@ def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = No
         metric=MetricCondition(
             {"decode_tok_s": "median over repeats of (new_tokens-1)/decode seconds, prefill excluded",
              "roofline_pct": "decode tok/s / (measured read bandwidth / bytes streamed per token incl. packed "
-                             "weights, scales and the tied bf16/fp32 LM head)",
+                             "weights, scales and the LM head, bf16/fp32 or quantized)",
              "vs_fp32": "decode tok/s / fp32 decode tok/s in the same run",
              "vs_bf16_compiled": "compiled step: median over paired, interleaved rounds (one greedy generation "
                                  "each, seeded AB/BA order) of its tok/s over the compiled bf16 step's, with the 95% "
