@@ -1,5 +1,6 @@
-"""Batch-1 native decode speed of the default model: fp32, bf16, int8 (W8A16, int8pack) and int4 g32/g64
-(int4pack), side by side in one run, each as % of its own memory roofline and as a ratio to fp32.
+"""Batch-1 native decode speed of the default model: fp32, bf16, int8 (W8A16) and int4 g32/g64, each on the
+kernel the registry picks here (``quant.gemv``'s int4gemv / int8gemv where they run and are faster, else torch's
+int8pack / int4pack), side by side in one run, each as % of its own memory roofline and as a ratio to fp32.
 
 Usage: flock /tmp/qs-bench.lock python bench/quant_decode.py [--new-tokens 128] [--repeats 3] [--threads N]
 Writes bench/results/quant_decode.<machine tag>.json (a full run record, one per CPU kind). Targets: int8 >= 2x fp32, int4 >= 2.5x fp32.
@@ -9,7 +10,8 @@ too (``@ignore=``), on the eager and the compiled one-token step (runtime/compil
 compiled quantized step is timed in paired, interleaved rounds with the compiled bf16 step (resident beside it), as a
 ratio with its 95% CI (issue 28's targets: int8 >= 1.6x, int4 g32 >= 2.2x), beside its byte ceiling (bf16 bytes per
 token over its own: the ratio a purely bandwidth-bound step would reach) and its share of the roofline; writes
-quant_decode_compiled.<machine tag>.json.
+quant_decode_compiled.<machine tag>.json. Some rows run the same weights on another kernel than the registry's
+pick (int4 on torch's int4pack, int8 on quantspec's opt-in int8gemv), so the kernels compare in one run.
 """
 import argparse
 import os
@@ -28,6 +30,9 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
 from evals.roofline import decode_bytes_per_token, measure_bandwidth
 from runtime.loading import load_model, set_threads
 from runtime.model_store import SMOLLM2, is_default_model, weights_hash
+from quant.qlinear import QuantizedLinear, select_kernel
+from quant.scheme import parse_scheme
+from runtime.errors import UserError
 from quant.quantize import quantize_model
 from runtime.hardware import kernels_used, probe
 from runtime.generate import Decoder, encode_prompt
@@ -36,11 +41,28 @@ from runtime.sampling import SamplingConfig
 from runtime.argtypes import positive_int
 
 # (label, dtype, scheme or None, target ratio to fp32)
-CONFIGS = [("fp32", "fp32", None, None), ("bf16", "bf16", None, None), ("int8 W8A16", "bf16", "W8A16", 2.0),
-           ("int4 g32", "bf16", "w4g32-sym", 2.5), ("int4 g64", "bf16", "w4g64-sym", 2.5)]
-COMPILED = [("bf16", "bf16", None, None), ("int8 W8A16", "bf16", "W8A16", 1.6),  # target: vs the compiled bf16 step
-            ("int8 W8A16 + head", "bf16", "w8ch-sym@ignore=", 1.6), ("int4 g32", "bf16", "w4g32-sym", 2.2),
-            ("int4 g32 + head", "bf16", "w4g32-sym@ignore=", 2.2)]
+CONFIGS = [("fp32", "fp32", None, None, None), ("bf16", "bf16", None, None, None),
+           ("int8 W8A16", "bf16", "W8A16", 2.0, None), ("int4 g32", "bf16", "w4g32-sym", 2.5, None),
+           ("int4 g64", "bf16", "w4g64-sym", 2.5, None)]
+MLP_SHAPE = (1536, 576)
+# compiled: target vs the compiled bf16 step; the last field names a kernel to run instead of the registry's pick
+COMPILED = [("bf16", "bf16", None, None, None), ("int8 W8A16", "bf16", "W8A16", 1.6, None),
+            ("int8 W8A16 on int8gemv", "bf16", "W8A16", 1.6, "int8gemv"),
+            ("int8 W8A16 + head", "bf16", "w8ch-sym@ignore=", 1.6, None), ("int4 g32", "bf16", "w4g32-sym", 2.2, None),
+            ("int4 g32 on int4pack", "bf16", "w4g32-sym", 2.2, "int4pack"),
+            ("int4 g32 + head", "bf16", "w4g32-sym@ignore=", 2.2, None),
+            ("int4 g32 + head on int4pack", "bf16", "w4g32-sym@ignore=", 2.2, "int4pack")]
+
+
+def another_kernel_here(scheme: str, kernel: str | None) -> bool:
+    """Whether a row naming ``kernel`` runs here on another kernel than the registry's pick (else it is left out)."""
+    if kernel is None:
+        return True
+    spec = parse_scheme(scheme).weights
+    try:
+        return select_kernel(spec, None, MLP_SHAPE, kernel).name != select_kernel(spec, None, MLP_SHAPE).name
+    except UserError:
+        return False
 
 
 def compiled_step(lm, prompt_ids: list[int], new_tokens: int, mode: str) -> Decoder:
@@ -60,14 +82,21 @@ def compiled_speed(tok_s: float | None, row: dict, eager_tok_s: float, bandwidth
 
 def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = None) -> RunRecord:
     bandwidth = measure_bandwidth()
-    rows, path, prompt_ids, reference = [], None, None, None
-    for label, dtype, scheme, target in COMPILED if compile_mode else CONFIGS:
+    rows, path, prompt_ids, reference, picks = [], None, None, None, {}
+    for label, dtype, scheme, target, kernel in COMPILED if compile_mode else CONFIGS:
+        if not another_kernel_here(scheme, kernel):
+            continue
         lm = load_model(model, dtype)
         path = lm.path
         prompt_ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
         kernels = {"dense": len(lm.model.layers) * 7}
         if scheme:
             kernels = quantize_model(lm, scheme, progress=False).kernels
+        if kernel:
+            for layer in lm.model.modules():
+                if isinstance(layer, QuantizedLinear) and layer.kernel_name != kernel:
+                    layer.use_kernel(kernel)
+            kernels = {kernel: sum(kernels.values())}
         speed = native_decode(lm, prompt_ids, new_tokens, repeats, bandwidth, label)
         row = {k: v for k, v in asdict(speed).items() if k != "tokens"}
         row.update(dtype=dtype, scheme=scheme or "none", kernels=kernels, kernels_run=kernels_used(lm.model),
@@ -82,6 +111,11 @@ def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = No
                 reference = block
             else:
                 paired = paired_ratio(reference, block, 1, SpeedProtocol(), "one greedy generation")
+            if kernel:  # the same weights on another kernel: also paired with the registry's pick, head to head
+                against = paired_ratio(picks[scheme], block, 1, SpeedProtocol(), "one greedy generation")
+                row.update(vs_pick=against.ratio.value, vs_pick_ci=list(against.ratio.ci))
+            elif scheme:
+                picks[scheme] = block
             row.update(compile_s=step.compile_s, fallback=step.step.fallback, step=step.step_label,
                        first_diff_vs_eager=first_diff(tokens, speed.tokens), target_vs_bf16_compiled=target,
                        bytes_ceiling=rows[0]["bytes_per_token"] / row["bytes_per_token"] if rows else 1.0,
@@ -123,7 +157,9 @@ def run(model: str, new_tokens: int, repeats: int, compile_mode: str | None = No
              "vs_bf16_compiled": "compiled step: median over paired, interleaved rounds (one greedy generation "
                                  "each, seeded AB/BA order) of its tok/s over the compiled bf16 step's, with the 95% "
                                  "CI of the mean log ratio",
-             "bytes_ceiling": "bf16 bytes streamed per token / the row's (the ratio to bf16 at equal bandwidth)"},
+             "bytes_ceiling": "bf16 bytes streamed per token / the row's (the ratio to bf16 at equal bandwidth)",
+             "vs_pick": "a row on another kernel than the registry's pick: its compiled tok/s over the pick's on "
+                        "the same weights, in its own paired, interleaved rounds with the pick's step (CI as above)"},
             "greedy, ignore_eos, fixed output length; speed only (quality: quantspec quantize / bench/quant_quality.py)"),
         results={"bandwidth_gb_s": bandwidth / 1e9, "load_average_1_5_15": os.getloadavg(), "rows": rows},
     )

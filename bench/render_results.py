@@ -252,7 +252,8 @@ def bandwidth_line(r: dict) -> str:
 
 @bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
        "bf16, int8 and int4 g32 on the eager and on the compiled one-token step (runtime/compiled.py: inductor, weights "
-       "frozen), the quantized linears with their own kernels inside the graph, with the LM head kept bf16 (the "
+       "frozen), the quantized linears with their own kernels inside the graph (the registry's pick; the int4 rows "
+       "again on torch's `int4pack`), with the LM head kept bf16 (the "
        "default schemes) and quantized too (`+ head`: `@ignore=`, an untied copy; the embedding lookup stays bf16); "
        "ratios to the compiled bf16 step (the compiled-path issue's targets), in paired, interleaved rounds where "
        "the record has a CI, beside the byte ceiling (bf16 bytes per token over the row's: what a purely "
@@ -266,15 +267,33 @@ def render_quant_decode_compiled(d: dict) -> str:
              "–" if x.get("bytes_ceiling") is None else num(x["bytes_ceiling"]) + "x",
              "–" if x["target_vs_bf16_compiled"] is None else f">= {num(x['target_vs_bf16_compiled'], 1)}x",
              num(x["meets_target"]), num(x["compiled_roofline_pct"], 0), num(x["compile_s"], 0),
-             num(x["first_diff_vs_eager"]), num(x["fallback"])] for x in r["rows"]]
+             num(x["first_diff_vs_eager"]), num(x["fallback"]),
+             with_ci(x["vs_pick"], x["vs_pick_ci"], ".2f", "x") if "vs_pick" in x else "–"] for x in r["rows"]]
     return "\n\n".join([
         table(["config", "scheme", "kernels (layers)", "eager tok/s", "compiled tok/s", "compiled / eager",
                "vs compiled bf16", "byte ceiling", "target", "met", "% of read roofline", "compile s",
-               "first token differing from eager", "fallback"], rows),
+               "first token differing from eager", "fallback", "vs the registry's kernel, same weights"], rows),
         f"Mode `{d['engine']['config']['compile_mode']}`"
         + (f", GEMMs chosen among `{d['engine']['config']['gemm_backends']}` only"
            if d["engine"]["config"].get("gemm_backends") else "") + ". " + bandwidth_line(r),
     ])
+
+
+@bench("gemv.*.json", "quantspec's int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
+       "Each product of `quant.gemv`'s AVX512-BF16 kernels (`int4gemv`: int4 g32, `int8gemv`: int8 per channel; a "
+       "code made an exact bf16 with one OR, multiplied by `vdpbf16ps`) paired with the torch kernel it stands in "
+       "for (`int4pack`, `int8pack`: the same weights) at every linear shape of the default model, on one row "
+       "(decode) and five (a four-token verification), each call on the next of enough distinct weights that they "
+       "stream from memory; ratio with its CI, and the read bandwidth each kernel reaches beside the machine's.")
+def render_gemv(d: dict) -> str:
+    r = d["results"]
+    rows = [[x["format"], x["kernel"], "not run: " + x["missing"]] if "missing" in x else
+            [x["format"], f"{x['kernel']} / {x['torch_kernel']}", " x ".join(map(str, x["shape"])), x["rows"],
+             num(x["us"], 1), num(x["torch_us"], 1), num(x["gb_s"], 1), num(x["torch_gb_s"], 1),
+             with_ci(x["speedup"], x["speedup_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else "")]
+            for x in r["rows"]]
+    return "\n\n".join([table(["format", "kernel / torch's", "shape (out x in)", "rows", "us", "torch us", "GB/s",
+                                "torch GB/s", "speedup [95% CI]"], rows), bandwidth_line(r)])
 
 
 @bench("step_attention.*.json", "Attention inside the compiled step: SDPA, eager, fused reduce",

@@ -30,7 +30,7 @@ from runtime.argtypes import positive_int
 CONFIGS = [("bf16", None), ("int8 W8A16", "W8A16"), ("int4 g32", "w4g32-sym")]
 # by event name: ATen/mkldnn matmuls, inductor's GEMM templates (graph_N_gemm_m1n..k.._kernel) and its weight-only
 # int8 template (profiled as plain graph_N_kernel); the rest is "other"
-GROUPS = {"weight matmuls": re.compile(r"mm|linear|gemm|woq|^graph_\d+_kernel$", re.I),
+GROUPS = {"weight matmuls": re.compile(r"mm|linear|gemm|gemv|woq|^graph_\d+_kernel$", re.I),
           "attention": re.compile(r"attention|sdpa", re.I), "dynamo guard check": re.compile(r"cache lookup", re.I)}
 PROFILE_KERNELS = {"cpp.enable_kernel_profile": True}  # generated kernels record profiler events by name
 

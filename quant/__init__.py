@@ -1,5 +1,5 @@
 """Weight, activation and KV-cache quantization; importing it registers its kernels and checkpoint format."""
-from quant import fp8, w8a8  # noqa: F401  (register the FP8 and int8 W8A8 kernels)
+from quant import fp8, gemv, w8a8  # noqa: F401  (register the FP8, int4/int8 GEMV and int8 W8A8 kernels)
 from runtime.loading import CHECKPOINT_FORMATS
 
 

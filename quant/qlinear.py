@@ -7,6 +7,9 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
 * ``int8pack``  -- W8 symmetric per-channel, weight-only: ``torch.ops.aten._weight_int8pack_mm`` (real int8).
 * ``int4pack``  -- W4 per-group (sym or asym), weight-only: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on
   weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
+* ``int4gemv`` / ``int8gemv`` -- the same two formats on quantspec's own AVX512-BF16 kernels (``quant.gemv``):
+  ``int4gemv`` is chosen over ``int4pack`` where it builds, is right and streams faster on one row; ``int8gemv``
+  is opt-in (faster eager, slower than inductor's int8 template under compile).
 * ``int4pack-cuda`` / ``int8-dequant-cuda`` -- the same two formats on a GPU (torch's CUDA tinygemm; int8
   codes widened inside the product), chosen only where a small product on that GPU ran and was right.
 * ``simulated`` -- everything else (3/2-bit, asymmetric int8, per-tensor, FP8 weight-only, the microscaling
@@ -170,9 +173,14 @@ class Int4PackKernel(Kernel):
         self.group_size = spec.group_size
         self.in_features = q.shape[1]
         self.register_buffer("weight", self.pack((q.to(torch.int32) + 8).contiguous()))
-        s = scale.to(FAST_DTYPE)
-        t = (-zero.float() * s.float()).to(FAST_DTYPE)
+        s, t = self.scales_and_offsets(scale, zero)
         self.register_buffer("scales_and_zeros", torch.stack([s, t], -1).transpose(0, 1).contiguous())
+
+    @staticmethod
+    def scales_and_offsets(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 ``(s, t = -z * s)``; ``t`` never -0.0, so rebuilding from ``export`` gives the same bytes."""
+        s = scale.to(FAST_DTYPE)
+        return s, (-zero.float() * s.float()).to(FAST_DTYPE) + 0.0
 
     def pack(self, unsigned: torch.Tensor) -> torch.Tensor:
         """The unsigned codes [N, K] in 0..15 in this kernel's tiled layout."""
@@ -324,7 +332,7 @@ class QuantizedLinear(nn.Module):
         self.spec, self.act = spec, act
         self.register_buffer("global_scale", None if global_scale is None else global_scale.float().reshape(1))
         self.in_features, self.out_features = in_features, q.shape[0]
-        self.padded_in = q.shape[1]
+        self.padded_in, self.dtype = q.shape[1], dtype
         self.kernel = select_kernel(spec, act, tuple(q.shape), kernel, q.device.type)(q, scale, zero, spec, act,
                                                                                      dtype)
         self.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False) if bias is not None else None
@@ -340,6 +348,16 @@ class QuantizedLinear(nn.Module):
     @property
     def kernel_name(self) -> str:
         return self.kernel.name
+
+    def use_kernel(self, name: str) -> None:
+        """Run on kernel ``name`` from now on (checked): the same codes, scales and zero points, repacked (weight-only
+        layers: calibrated input scales are not carried over)."""
+        if self.act is not None:
+            raise UserError(f"use_kernel switches weight-only layers; {self.spec.label}_{self.act.label} quantizes "
+                            "activations too")
+        q, scale, zero = self.export()
+        cls = select_kernel(self.spec, self.act, tuple(q.shape), name, self.kernel.device.type)
+        self.kernel, self._invariance = cls(q, scale, zero, self.spec, self.act, self.dtype), None
 
     @property
     def kernel_detail(self) -> str:

@@ -95,7 +95,7 @@ def _try_bf16_prepack() -> str | None:
     return None
 
 
-def _cpu_flag(name: str) -> bool:
+def cpu_flag(name: str) -> bool:
     fn = getattr(torch.cpu, f"_is_{name}_supported", None)
     return bool(fn and fn())
 
@@ -106,7 +106,7 @@ def probe() -> Hardware:
     forced = forced_features()
     isa = torch.backends.cpu.get_cpu_capability()
     prepack = _try_bf16_prepack() if torch.backends.mkldnn.is_available() else "torch built without oneDNN"
-    amx, avx512_bf16, vnni = _cpu_flag("amx_tile"), _cpu_flag("avx512_bf16"), _cpu_flag("vnni")
+    amx, avx512_bf16, vnni = cpu_flag("amx_tile"), cpu_flag("avx512_bf16"), cpu_flag("vnni")
     bf16 = "native (AMX)" if amx else "native (AVX512-BF16)" if avx512_bf16 else "emulated"
     int8 = "native (AMX-INT8)" if amx else "native (VNNI)" if vnni else "emulated"
     if forced == "avx2":

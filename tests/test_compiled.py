@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import require_bf16_exact
+from quant.gemv import cpu_kernel
 from quant.kvcache import make_cache_factory
 from runtime.compiled import (COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends,
                               reduce_attention, resolve_compile, step_attention)
@@ -145,6 +146,7 @@ def test_quantized_linears_compile_to_one_graph(tiny_llama_dir, one_thread, sche
 
     lm = load_model(tiny_llama_dir, "bf16")
     kernels = quantize_model(lm, scheme, progress=False).kernels
+    assert set(kernels) == {cpu_kernel(8) if scheme == "W8A16" else cpu_kernel(4)}
     decoder, _ = greedy(lm, "default", n=4)
     assert decoder.step.fallback is None, (kernels, decoder.step.fallback)
 
@@ -199,8 +201,8 @@ def test_bench_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
 
 
 def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thread):
-    """bench/quant_decode.py --compile's record: bf16, int8 and int4 g32 (LM head bf16, and quantized too) each eager
-    and compiled (the quantized linears inside the graph, no fallback), ratios to the compiled bf16 step paired in
+    """bench/quant_decode.py --compile's record: bf16, int8 and int4 g32 (LM head bf16, and quantized too; int4 on
+    the registry's kernel and on int4pack) each eager and compiled (the quantized linears inside the graph, no fallback), ratios to the compiled bf16 step paired in
     rounds with their CI, beside the byte ceiling, targets judged, compile time apart."""
     import importlib.util
     from pathlib import Path
@@ -210,7 +212,15 @@ def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thre
     spec.loader.exec_module(bench)
     record = bench.run(str(tiny_llama_dir), new_tokens=6, repeats=1, compile_mode="default")
     rows = {r["engine"]: r for r in record.results["rows"]}
-    assert list(rows) == ["bf16", "int8 W8A16", "int8 W8A16 + head", "int4 g32", "int4 g32 + head"]
+    assert [n for n in rows if " on " not in n] == ["bf16", "int8 W8A16", "int8 W8A16 + head", "int4 g32",
+                                                    "int4 g32 + head"]
+    for name, kernel in (("int4 g32", "int4pack"), ("int4 g32 + head", "int4pack"), ("int8 W8A16", "int8gemv")):
+        assert (f"{name} on {kernel}" in rows) == bench.another_kernel_here(rows[name]["scheme"], kernel)
+        if f"{name} on {kernel}" in rows:  # the same weights on another kernel
+            assert set(rows[f"{name} on {kernel}"]["kernels"]) == {kernel}
+            assert rows[f"{name} on {kernel}"]["bytes_per_token"] == rows[name]["bytes_per_token"]
+            lo, hi = rows[f"{name} on {kernel}"]["vs_pick_ci"]  # paired head to head with the pick's step
+            assert lo <= rows[f"{name} on {kernel}"]["vs_pick"] <= hi and "vs_pick" not in rows[name]
     assert record.engine.config["compile_mode"] == "default"
     assert rows["bf16"]["vs_bf16_compiled"] == 1.0 and rows["bf16"]["meets_target"] is None
     for row in rows.values():
@@ -402,10 +412,11 @@ def test_step_profile_record_on_the_tiny_model(tiny_llama_dir, one_thread):
     record = bench.run(str(tiny_llama_dir), None, steps=4)
     rows = {r["config"]: r for r in record.results["rows"]}
     assert list(rows) == ["bf16", "int8 W8A16", "int4 g32"]
-    assert "int8pack" in str(rows["int8 W8A16"]["kernels_run"]) and "int4pack" in str(rows["int4 g32"]["kernels_run"])
+    assert cpu_kernel(8) in str(rows["int8 W8A16"]["kernels_run"]) and cpu_kernel(4) in str(rows["int4 g32"]["kernels_run"])
     for r in rows.values():  # (the tiny model's matmuls are too short to stay in the top events reliably)
         assert r["us_per_step_by_group"]["weight matmuls"] > 0 and r["matmul_gb_s"] > 0 and r["profiled_step_ms"] > 0
         assert {o["group"] for o in r["top_ops"]} <= {"weight matmuls", "attention", "dynamo guard check", "other"}
-    assert bench.group_of("graph_1_kernel") == bench.group_of("aten::_weight_int4pack_mm_for_cpu") == "weight matmuls"
+    assert bench.group_of("graph_1_kernel") == bench.group_of("aten::_weight_int4pack_mm_for_cpu") == bench.group_of(
+        "quantspec::int4_gemv") == "weight matmuls"
     assert bench.group_of("graph_0_cpp_fused_add_mul_0") == "other"  # negative control: fused element-wise
     assert rows["int4 g32"]["layer_weight_bytes"] < rows["int8 W8A16"]["layer_weight_bytes"] < rows["bf16"]["layer_weight_bytes"]

@@ -6,6 +6,7 @@ import torch
 from evals.config import Config
 from evals.record import hardware_info
 from evals.roofline import measure_bandwidth
+from quant.gemv import cpu_kernel
 from quant.kvcache import make_cache_factory
 from quant.qlinear import QuantizedLinear, cuda_op_missing, select_kernel
 from quant.qmath import compute_qparams, dequantize, quantize
@@ -61,7 +62,7 @@ def test_load_model_on_cpu(tiny_llama_dir, one_thread):
 def test_kernels_picked_per_device():
     """torch's packed int4/int8 CPU layouts never run on CUDA, nor the CUDA kernels on CPU."""
     w4 = parse_scheme("w4g32-sym").weights
-    assert select_kernel(w4, None, (64, 64), device="cpu").name == "int4pack"
+    assert select_kernel(w4, None, (64, 64), device="cpu").name == cpu_kernel(4)
     with pytest.raises(UserError, match="on cuda"):
         select_kernel(w4, None, (64, 64), kernel="int4pack", device="cuda")
     with pytest.raises(UserError, match="on cpu"):

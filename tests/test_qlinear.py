@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from quant.actquant import fake_quantize_activation
+from quant.gemv import cpu_kernel
 from runtime.errors import UserError
 from quant.qlinear import KERNELS, Kernel, QuantizedLinear, SimulatedKernel, register_kernel, select_kernel
 from quant.qmath import compute_qparams, quantize
@@ -25,13 +26,16 @@ def make_layer(label, out_f=96, in_f=128, dtype=torch.float32, seed=0, bias=True
     return layer, q, scale, zero, b
 
 
-@pytest.mark.parametrize("label,kernel", [("w8ch-sym", "int8pack"), ("w4g32-sym", "int4pack"),
-                                          ("w4g32-asym", "int4pack"), ("w4g64-asym", "int4pack"),
-                                          ("w4g128-sym", "int4pack"), ("w3g32-sym", "simulated"),
+@pytest.mark.parametrize("label,kernel", [("w8ch-sym", "int8"), ("w4g32-sym", "int4"),
+                                          ("w4g32-asym", "int4"), ("w4g64-asym", "int4"),
+                                          ("w4g128-sym", "int4"), ("w3g32-sym", "simulated"),
                                           ("w8ch-asym", "simulated"), ("w4t-sym", "simulated"),
                                           ("w2g32-asym", "simulated")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_output_equals_dequantized_matmul(label, kernel, dtype):
+    """Every kernel the registry picks here ("int4" / "int8": quantspec's GEMV or torch's
+    packed kernel, whichever this CPU runs)."""
+    kernel = cpu_kernel(int(kernel[3:])) if kernel in ("int4", "int8") else kernel
     layer, q, scale, zero, b = make_layer(label, dtype=dtype)
     assert layer.kernel_name == kernel and layer.simulated == (kernel == "simulated")
     x = torch.randn(2, 5, 128).to(dtype)
@@ -74,10 +78,11 @@ def test_int4_unsigned_code_conversion_extremes():
 
 @pytest.mark.parametrize("label,shape,kernel", [("w4g32-sym", (40, 64), "simulated"),  # N % 16 != 0
                                                 ("w8ch-sym", (32, 72), "simulated"),  # int8pack needs K % 32
-                                                ("w4g32-sym", (48, 64), "int4pack"),
+                                                ("w4g32-sym", (48, 64), "int4"),
                                                 ("w4g32-sym_a8tok-dyn", (32, 64), "simulated")])
 def test_selection_by_shape_and_format(label, shape, kernel):
     scheme = parse_scheme(label)
+    kernel = cpu_kernel(int(kernel[3:])) if kernel in ("int4", "int8") else kernel
     assert select_kernel(scheme.weights, scheme.activations, shape).name == kernel
 
 
@@ -107,7 +112,7 @@ def test_registering_a_kernel_by_name_takes_priority():
         assert layer.kernel_name == "test-doubled" and not layer.simulated
         x = torch.randn(3, 128)
         torch.testing.assert_close(layer(x), 2 * x @ layer.dequantized_weight().T)
-        assert make_layer("w4g32-sym")[0].kernel_name == "int4pack"
+        assert make_layer("w4g32-sym")[0].kernel_name == cpu_kernel(4)
     finally:
         del KERNELS["test-doubled"]
     assert issubclass(Doubled, Kernel)
@@ -115,7 +120,7 @@ def test_registering_a_kernel_by_name_takes_priority():
 
 def test_padding_for_real():
     layer, q, *_ = make_layer("w4g32-sym+pad", out_f=32, in_f=48)
-    assert q.shape == (32, 64) and layer.kernel_name == "int4pack"
+    assert q.shape == (32, 64) and layer.kernel_name == cpu_kernel(4)
     assert layer.dequantized_weight().shape == (32, 48)
     x = torch.randn(4, 48)
     ref = x @ layer.dequantized_weight().T + layer.bias

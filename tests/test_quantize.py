@@ -7,6 +7,7 @@ import torch
 from conftest import make_tiny_llama
 from runtime.errors import UserError
 from runtime.loading import load_model
+from quant.gemv import cpu_kernel
 from quant.methods import METHODS, LayerStats, WeightMethod, register_method
 from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
@@ -29,9 +30,10 @@ def quantized_names(model):
     return sorted(n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
 
 
-@pytest.mark.parametrize("label,kernel", [("w4g32-asym", "int4pack"), ("w8ch-sym", "int8pack"),
+@pytest.mark.parametrize("label,kernel", [("w4g32-asym", "int4"), ("w8ch-sym", "int8"),
                                           ("w3g32-sym", "simulated")])
 def test_replaces_every_body_linear(tiny_llama_dir, label, kernel):
+    kernel = cpu_kernel(int(kernel[3:])) if kernel in ("int4", "int8") else kernel
     lm = load_model(str(tiny_llama_dir), "bf16")
     ref = logits(lm)
     report = quantize_model(lm, label, progress=False)
@@ -69,7 +71,7 @@ def test_padding_runs_for_real(tmp_path):
     report = quantize_model(lm, "w4g32-sym+pad", progress=False)
     q_proj = lm.model.layers[0].self_attn.q_proj
     assert q_proj.padded_in == 64 and q_proj.in_features == 48
-    assert report.kernels == {"int4pack": 10, "simulated": 4}  # k/v_proj: 24 outputs, not a multiple of 16
+    assert report.kernels == {cpu_kernel(4): 10, "simulated": 4}  # k/v_proj: 24 outputs, not a multiple of 16
     assert (logits(lm).argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6
 
 
@@ -145,9 +147,9 @@ def test_cli_quantizes_and_refuses_existing_out(tiny_llama_dir, tmp_path):
     out, record = tmp_path / "out", tmp_path / "rec.json"
     proc = run_main("quantize", str(tiny_llama_dir), "--scheme", "w4g32-asym", "--output-dir", str(out), "-o", str(record))
     assert proc.returncode == 0, proc.stderr
-    assert "int4pack" in proc.stdout and "top-1 agreement" in proc.stdout
+    assert cpu_kernel(4) in proc.stdout and "top-1 agreement" in proc.stdout
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
-    assert json.loads(record.read_text())["results"]["report"]["kernels"] == {"int4pack": 14}
+    assert json.loads(record.read_text())["results"]["report"]["kernels"] == {cpu_kernel(4): 14}
     before = (out / "model.safetensors").stat().st_mtime_ns
     assert_one_line_error(run_main("quantize", str(tiny_llama_dir), "--scheme", "w8ch-sym", "--output-dir", str(out)),
                           "--overwrite")
@@ -163,7 +165,7 @@ def test_default_model_int8_and_int4(default_model_dir):
 
     text = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
             "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
-    for label, kernel, max_kl, min_agree in (("W8A16", "int8pack", 0.02, 0.9), ("w4g32-asym", "int4pack", 0.6, 0.7)):
+    for label, kernel, max_kl, min_agree in (("W8A16", cpu_kernel(8), 0.02, 0.9), ("w4g32-asym", cpu_kernel(4), 0.6, 0.7)):
         lm = load_model(str(default_model_dir), "bf16")
         ids = lm.tokenizer.encode(text)
         ref = Decoder(lm, 128).forward(ids)

@@ -1,0 +1,186 @@
+// int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16 (quant/gemv.py packs and
+// loads them).
+//
+// int4_gemv: each weight w = (u - 8) * s + t with u in 0..15 and per-(row, group) bf16 (s, t), as torch's
+// int4pack kernel reads them. A nibble u becomes the exact bf16 128 + u by OR-ing it into 0x4300, so one
+// vdpbf16ps multiplies 32 weights by 32 inputs with no conversion; per group
+//     sum_k w_k x_k = s * sum_k (128 + u_k) x_k + (t - 136 s) * sum_k x_k.
+// Lanes are output rows (16 per block), so scales apply as vectors and no horizontal sums are needed.
+//
+// Layout, per block of 16 rows and per group: s[16] bf16, t[16] bf16, then group_size / 32 chunks of 8 x 32
+// bytes. Byte 2i + e of piece p (of chunk c) holds row i's codes at k = 32c + 4p + e (low nibble) and
+// 32c + 4p + 2 + e (high nibble), so one zero-extending load gives two vectors of (k, k+1) pairs per lane.
+//
+// int8_gemv: per-channel symmetric int8 w = (u - 128) * s with u = w + 128 in 0..255 split into nibbles
+// u = 16 h + l, each made bf16 as above: sum_k w_k x_k = s * (16 sum (128 + h) x + sum (128 + l) x - 2304 sum x).
+// Layout: per block of 16 rows and per pair of columns (k, k+1), 32 bytes: byte 2i + e = u[row i, k + e].
+//
+// Every output row runs the same instruction sequence whatever the number of rows processed beside it, so a
+// row's result is bitwise the same alone as in a batch (speculative verification relies on that).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 16;  // output rows per block (one zmm of fp32 lanes)
+
+inline __m512 bf16_to_fp32(const void* p) {  // 16 bf16 -> 16 fp32
+  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512bh pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// 32 packed bytes -> 128 + (low nibble), 128 + (high nibble) of each, as two vectors of 32 bf16.
+inline void nibbles(const uint8_t* piece, __m512bh& lo, __m512bh& hi) {
+  const __m512i mask = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece)));
+  lo = (__m512bh)_mm512_ternarylogic_epi32(u, mask, bias, 0xEA);  // (u & 0xF) | 0x4300
+  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(u, 4), bias);
+}
+
+inline void store(at::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+struct Args {
+  const at::BFloat16* x;  // [M, K]
+  const float* sumx;      // [M, groups]: each row's input summed per group, in one fixed order
+  const uint8_t* w;       // packed weight
+  const at::BFloat16* scales;  // int8: [N]
+  at::BFloat16* y;        // [M, N]
+  int64_t K, N, groups, group_size, block_bytes;
+};
+
+// int4: rows [m0, m0 + R) of x times block b of the packed weight.
+template <int R>
+void tile4(const Args& a, int64_t m0, int64_t b) {
+  const int64_t chunks = a.group_size / 32, group_bytes = 64 + chunks * 256;
+  const at::BFloat16* x = a.x + m0 * a.K;
+  const uint8_t* block = a.w + b * a.block_bytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* head = block + g * group_bytes;
+    __m512 t0[R], t1[R];
+    for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const int64_t k = g * a.group_size + c * 32 + 4 * p;
+        __m512bh lo, hi;
+        nibbles(head + 64 + (c * 8 + p) * 32, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          t0[r] = _mm512_dpbf16_ps(t0[r], lo, pair(x + r * a.K + k));
+          t1[r] = _mm512_dpbf16_ps(t1[r], hi, pair(x + r * a.K + k + 2));
+        }
+      }
+    }
+    __m512 s = bf16_to_fp32(head), t = bf16_to_fp32(head + 32);
+    __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-136.0f), s, t);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0[r], t1[r]), s, acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sumx[(m0 + r) * a.groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, acc[r]);
+}
+
+// int8: the same over per-channel int8 weights (one group: the whole row).
+template <int R>
+void tile8(const Args& a, int64_t m0, int64_t b) {
+  const at::BFloat16* x = a.x + m0 * a.K;
+  const uint8_t* block = a.w + b * a.block_bytes;
+  __m512 low[R], high[R];
+  for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < a.K; k += 2) {
+    __m512bh lo, hi;
+    nibbles(block + k * kRows, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      low[r] = _mm512_dpbf16_ps(low[r], lo, pair(x + r * a.K + k));
+      high[r] = _mm512_dpbf16_ps(high[r], hi, pair(x + r * a.K + k));
+    }
+  }
+  __m512 s = bf16_to_fp32(a.scales + b * kRows);
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_fmadd_ps(high[r], _mm512_set1_ps(16.0f), low[r]);
+    v = _mm512_fmadd_ps(_mm512_set1_ps(-2304.0f), _mm512_set1_ps(a.sumx[m0 + r]), v);
+    store(a.y + (m0 + r) * a.N + b * kRows, _mm512_mul_ps(v, s));
+  }
+}
+
+using TileFn = void (*)(const Args&, int64_t, int64_t);
+constexpr int kMaxRows = 8;  // input rows per tile: a verification of up to 8 tokens unpacks each weight once
+
+template <template <int> class Tile, int... R>
+TileFn for_rows(int64_t rows, std::integer_sequence<int, R...>) {
+  TileFn fns[] = {Tile<R + 1>::run...};
+  return fns[std::min<int64_t>(rows, kMaxRows) - 1];
+}
+
+template <int R> struct Int4 { static void run(const Args& a, int64_t m, int64_t b) { tile4<R>(a, m, b); } };
+template <int R> struct Int8 { static void run(const Args& a, int64_t m, int64_t b) { tile8<R>(a, m, b); } };
+
+// Every block of 16 output rows for every input row, up to eight input rows per pass over a block's weights.
+// (On AMD EPYC Genoa one block at a time streamed faster than two or four interleaved.)
+template <template <int> class Tile>
+at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloat16* scales, int64_t group_size,
+               int64_t out_features, int64_t block_bytes) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gemv: x must be 2-D bf16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "gemv: packed must be contiguous uint8");
+  TORCH_CHECK(out_features % kRows == 0 && group_size % 32 == 0, "gemv: N % 16 and group_size % 32");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), blocks = out_features / kRows;
+  TORCH_CHECK(K % group_size == 0 && packed.numel() == blocks * block_bytes, "gemv: packed size mismatch");
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  std::vector<float> sumx(M * (K / group_size));
+  for (int64_t i = 0; i < static_cast<int64_t>(sumx.size()); ++i) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t k = 0; k < group_size; k += 16) s = _mm512_add_ps(s, bf16_to_fp32(xp + i * group_size + k));
+    sumx[i] = _mm512_reduce_add_ps(s);
+  }
+  const Args a{xp, sumx.data(), packed.data_ptr<uint8_t>(), scales, y.data_ptr<at::BFloat16>(),
+               K, out_features, K / group_size, group_size, block_bytes};
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t m = 0; m < M; m += kMaxRows)
+        for_rows<Tile>(M - m, std::make_integer_sequence<int, kMaxRows>())(a, m, b);
+  });
+  return y;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, int64_t out_features) {
+  const int64_t groups = x.size(1) / group_size, block_bytes = groups * (64 + group_size * 8);
+  return run<Int4>(x, packed, nullptr, group_size, out_features, block_bytes);
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "int8_gemv: scales must be bf16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "int8_gemv: K % 32");
+  return run<Int8>(x, packed, scales.data_ptr<at::BFloat16>(), K, scales.numel(), kRows * K);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quantspec, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, int group_size, int out_features) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantspec, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
+}
