@@ -204,12 +204,13 @@ def decode_speeds(cls: type[GemvKernel], n: int = 1536, k: int = 576, stream_mb:
     MLP shape, each call on the next of enough weights (``stream_mb`` of int8 codes) that it streams from memory
     as in decoding (measured once per machine, cached in ``$QUANTSPEC_HOME/hardware.json``)."""
     gen = torch.Generator().manual_seed(1)
-    n_copies = stream_mb * 2 ** 20 // (n * k)  # at least that many MB at 8 bits, twice that at 4
+    n_copies = stream_mb * 2 ** 20 // (n * k)  # stream_mb of int8 codes (half that packed at 4 bits)
 
     def factory(kernel_cls):
-        copies = [kernel_cls(*_example(cls.probe_scheme, n, k, seed)) for seed in range(n_copies)]  # own buffers
+        copies = []  # built only if the speeds are measured, each on its own buffers
 
         def make(rows):
+            copies[:] = copies or [kernel_cls(*_example(cls.probe_scheme, n, k, seed)) for seed in range(n_copies)]
             x, turn = torch.randn(rows, k, generator=gen).to(FAST_DTYPE), iter(range(10 ** 9))
             return lambda: copies[next(turn) % len(copies)](x)
         return make

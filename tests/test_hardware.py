@@ -2,6 +2,8 @@
 
 Most tests here run under the AVX2 override (``QUANTSPEC_CPU_FEATURES=avx2``), so the fallback paths are
 exercised on any machine; the rest of the suite runs under it too in CI (``.ci/run``)."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,28 @@ def test_probe_without_override_tries_the_prepack(reprobe):
     hw = hardware.probe()
     assert hw.forced is None and hw.isa == torch.backends.cpu.get_cpu_capability()
     assert hw.bf16_prepack_ok == (hardware._try_bf16_prepack() is None)
+
+
+def test_a_speed_ranking_is_measured_once_per_machine_and_read_back_by_other_processes(reprobe):
+    """A second process (this one's memory cleared) reads the first one's ranking from the file instead of timing
+    again; negative control: the file gone, it times anew."""
+    calls = []
+
+    def candidates(slow_first: bool):
+        def make(name, delay):
+            def factory(rows):
+                calls.append(name)
+                return lambda: time.sleep(delay)
+            return factory
+        return {"a": make("a", 2e-4 if slow_first else 0), "b": make("b", 0 if slow_first else 2e-4)}
+
+    assert hardware.ranked("test-rank", candidates(True))["decode"] == ["b", "a"] and calls
+    calls.clear()
+    hardware._SPEEDS.clear()
+    assert hardware.ranked("test-rank", candidates(False))["decode"] == ["b", "a"] and not calls
+    hardware._speed_cache_path().unlink()
+    hardware._SPEEDS.clear()
+    assert hardware.ranked("test-rank", candidates(False))["decode"] == ["a", "b"] and calls
 
 
 def test_unknown_override_is_one_line(monkeypatch):
