@@ -20,7 +20,7 @@ from rich.table import Table
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,
                           RunRecord, hardware_info)
 from evals.roofline import measure_bandwidth
-from quant.gemv import Int4GemvKernel, Int8GemvKernel, _example, gemv_missing
+from quant.gemv import Int4GemvKernel, Int8GemvKernel, gemv_missing, streamed
 from runtime.argtypes import positive_int
 from runtime.hardware import probe
 from runtime.loading import set_threads
@@ -30,12 +30,6 @@ from runtime.measure import Sample, SpeedProtocol, paired_ratio, with_ci
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 FORMATS = [(Int4GemvKernel, "w4g32-sym"), (Int8GemvKernel, "w8ch-sym")]
 ROWS = (1, 5)
-STREAM_BYTES = 64 * 2 ** 20
-
-
-def weights(cls, scheme: str, n: int, k: int) -> list:
-    """Kernels of ``cls`` on distinct weights of one shape: enough that a pass streams them from memory."""
-    return [cls(*_example(scheme, n, k, seed)) for seed in range(max(2, STREAM_BYTES // (n * k)))]
 
 
 def one_pass(kernels: list, x: torch.Tensor):
@@ -56,7 +50,7 @@ def run() -> RunRecord:
             rows.append({"format": scheme, "kernel": cls.name, "missing": gemv_missing(cls.name)})
             continue
         for n, k in SHAPES:
-            ours, theirs = weights(cls, scheme, n, k), weights(cls.replaces, scheme, n, k)
+            ours, theirs = streamed(cls, scheme, n, k), streamed(cls.replaces, scheme, n, k)
             nbytes = sum(b.nbytes for b in ours[0].buffers())
             for m in ROWS:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()

@@ -13,7 +13,8 @@ The ops are built with torch's C++ extension loader (ninja and the C++ compiler;
 torch version, under ``$QUANTSPEC_HOME/extensions``) the first time a machine with AVX512-BF16 asks for them. A
 kernel is used only where it builds, gives the right product and is faster than the torch kernel on one row of
 the default model's MLP shape (``gemv_missing`` says why not otherwise; layers then run the torch kernel);
-``int8gemv`` is opt-in (see its class). A row's output is bitwise the same alone as in a batch by construction: every row runs the same instructions.
+``int8gemv`` is opt-in (see its class). A row's output is bitwise the same alone as in a batch by construction:
+every row runs the same instructions.
 """
 from __future__ import annotations
 
@@ -143,8 +144,8 @@ class Int8GemvKernel(GemvKernel, Int8PackKernel):
     of 16 rows and per pair of columns.
 
     Opt-in (``kernel="int8gemv"``, ``QuantizedLinear.use_kernel``), below ``int8pack``: on AMD EPYC (AVX-512) it
-    decoded the default model 1.25x faster than ``int8pack`` on the eager step, but under ``torch.compile``
-    inductor turns ``int8pack``'s op into its own C++ template inside the graph, which ran 1.15x ahead of this
+    decoded the default model 1.23x faster than ``int8pack`` on the eager step, but under ``torch.compile``
+    inductor turns ``int8pack``'s op into its own C++ template inside the graph, which ran 1.14x ahead of this
     kernel called out of the graph (bench/results, quant_decode_compiled)."""
 
     name, priority, replaces, probe_scheme = "int8gemv", 9, Int8PackKernel, "w8ch-sym"
@@ -179,6 +180,12 @@ def _example(scheme: str, n: int, k: int, seed: int = 0):
         + 1e-3, zero, spec
 
 
+def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: int = 64) -> list[Kernel]:
+    """Kernels on distinct random weights of one shape, ``stream_mb`` of int8 codes in all (at least two), so that
+    calling them in turn streams the weights from memory as decoding does."""
+    return [kernel_cls(*_example(scheme, n, k, seed)) for seed in range(max(2, stream_mb * 2 ** 20 // (n * k)))]
+
+
 @functools.cache
 def gemv_missing(name: str) -> str | None:
     """Why kernel ``name`` is not used here (the AVX2 override, no AVX512-BF16, a failed build, a wrong
@@ -204,13 +211,12 @@ def decode_speeds(cls: type[GemvKernel], n: int = 1536, k: int = 576, stream_mb:
     MLP shape, each call on the next of enough weights (``stream_mb`` of int8 codes) that it streams from memory
     as in decoding (measured once per machine, cached in ``$QUANTSPEC_HOME/hardware.json``)."""
     gen = torch.Generator().manual_seed(1)
-    n_copies = stream_mb * 2 ** 20 // (n * k)  # stream_mb of int8 codes (half that packed at 4 bits)
 
     def factory(kernel_cls):
-        copies = []  # built only if the speeds are measured, each on its own buffers
+        copies = []  # built only if the speeds are measured
 
         def make(rows):
-            copies[:] = copies or [kernel_cls(*_example(cls.probe_scheme, n, k, seed)) for seed in range(n_copies)]
+            copies[:] = copies or streamed(kernel_cls, cls.probe_scheme, n, k, stream_mb)
             x, turn = torch.randn(rows, k, generator=gen).to(FAST_DTYPE), iter(range(10 ** 9))
             return lambda: copies[next(turn) % len(copies)](x)
         return make
