@@ -5,15 +5,16 @@ cold inductor cache, in a second process with that cache warm, and for a second 
 process (what each further trial of a search would pay).
 
 Options (``OPTIONS``):
-  frozen       the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, weights frozen into the graph
-               and prepacked by inductor, GEMMs chosen among inductor's C++ templates only (``CPU_GEMM_BACKENDS``:
-               no ATen / oneDNN candidates, so no benchmark race decides which kernel family a step runs)
-  frozen-aten  the same with inductor's default GEMM candidates (ATen / oneDNN beside the C++ templates): the
-               product's step before runs of this bench made the templates its choice
-  inputs-aten  default mode, weights left as graph inputs (no freezing), bf16 linears as ``F.linear``
-  inputs-gemv  default mode, weights as graph inputs, each bf16 linear written as one fused multiply and reduce
-               over fp32 products (gpt-fast's GEMV form), which inductor generates as its own C++ loop
-Every option but ``frozen`` is an alternative this bench measures, not a product setting: each worker process
+  product           the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, bf16 linears calling
+                    quantspec's ``bf16gemv`` op (runtime/cpu_ops.py) as extern kernels on the layout the eager
+                    decode rows use (q/k/v and gate/up one call each), the weights left as graph inputs (nothing
+                    to prepack: one cached graph for every model of the same shapes), inductor's Python wrapper
+  frozen            the same with the weights frozen into the graph
+  frozen-cpp-wrapper  frozen, with inductor's C++ wrapper (no Python between the kernels of a step)
+  frozen-templates  no ``bf16gemv``: bf16 linears as ``F.linear`` frozen and prepacked by inductor, GEMMs chosen
+                    among inductor's C++ templates only (``CPU_GEMM_BACKENDS``): the product's step before
+                    ``bf16gemv``
+Every option but ``product`` is an alternative this bench measures, not a product setting: each worker process
 patches it in. Every option runs in its own processes with its own inductor cache directory.
 
 Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2] [--options a,b]
@@ -55,42 +56,33 @@ class Option:
     name: str
     what: str
     mode: str
-    freezing: bool
-    gemv: bool  # bf16 linears as a fused multiply-reduce under compile
-    gemm_backends: str | None = None  # max-autotune's GEMM candidates (the product's CPU_GEMM_BACKENDS when None)
+    freezing: bool | None  # None: as the product decides (runtime.compiled.CompiledStep.freezing)
+    bf16gemv: bool  # bf16 linears on quantspec's op (the product), or F.linear (inductor's GEMMs)
+    cpp_wrapper: bool = False
 
 
 OPTIONS = {o.name: o for o in (
-    Option("frozen", "the product's step: weights frozen and prepacked, max-autotune choosing among inductor's C++ "
-           "GEMM templates only", compiled.DEFAULT_MODE, True, False),
-    Option("frozen-aten", "weights frozen, max-autotune choosing among ATen / oneDNN and C++ template GEMMs",
-           compiled.DEFAULT_MODE, True, False, "ATEN,CPP"),
-    Option("inputs-aten", "weights as graph inputs, F.linear (aten mm)", "default", False, False),
-    Option("inputs-gemv", "weights as graph inputs, bf16 linears as a fused fp32 multiply-reduce", "default", False,
-           True),
+    Option("product", "the product's step: bf16 linears on bf16gemv (extern; q/k/v, gate/up fused), weights as "
+           "graph inputs, Python wrapper", compiled.DEFAULT_MODE, None, True),
+    Option("frozen", "the product's step with the weights frozen into the graph", compiled.DEFAULT_MODE, True, True),
+    Option("frozen-cpp-wrapper", "frozen, with inductor's C++ wrapper", compiled.DEFAULT_MODE, True, True, True),
+    Option("frozen-templates", "weights frozen and prepacked, bf16 linears as F.linear on inductor's C++ GEMM "
+           "templates (the product before bf16gemv)", compiled.DEFAULT_MODE, True, False),
 )}
 
 
 def patch(option: Option) -> None:
-    """Make this process's compiled steps build as ``option`` says (the bench's alternatives; ``frozen`` is as is)."""
+    """Make this process's compiled steps build as ``option`` says (the bench's alternatives; ``product`` is as is)."""
     build = compiled.CompiledStep.__init__
 
     def init(step, model, mode=compiled.DEFAULT_MODE):
         build(step, model, mode)
-        step._config["freezing"] = option.freezing
-        if option.gemm_backends:
-            step._config["max_autotune_gemm_backends"] = option.gemm_backends
+        step.freezing = option.freezing
+        step._config["cpp_wrapper"] = option.cpp_wrapper
 
     compiled.CompiledStep.__init__ = init
-    if option.gemv:
-        linear = packed_linear.DensePack.linear
-
-        def gemv(pack, x, weight):
-            if torch.compiler.is_compiling() and weight.dtype == torch.bfloat16:
-                return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(weight.dtype)
-            return linear(pack, x, weight)
-
-        packed_linear.DensePack.linear = gemv
+    if not option.bf16gemv:
+        packed_linear.gemv_missing = lambda *args: f"off in option {option.name}"
 
 
 def median_s(fn, repeats: int = 15) -> float:
@@ -110,7 +102,7 @@ def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
     max_len = len(prompt_ids) + new_tokens + 8
     step = Decoder(lm, max_len, compile_mode=option.mode)
     step.generate(prompt_ids, 2, ignore_eos=True)  # builds the one-token step
-    out = {"one_token_build_s": step.compile_s, "fallback": step.step.fallback}
+    out = {"one_token_build_s": step.compile_s, "fallback": step.step.fallback, "weights_frozen": step.step.freezing}
     if not cold:
         return out
     eager = Decoder(lm, max_len)

@@ -1,5 +1,6 @@
-"""quantspec's int4 / int8 GEMV kernels (``quant.gemv``) against the torch kernels they stand in for, product by
-product at every linear shape of the default model: int4 g32 (``int4gemv`` vs ``int4pack``) and int8 per channel
+"""quantspec's bf16 / int4 / int8 GEMV kernels (``runtime.cpu_ops``) against the torch kernels they stand in for,
+product by product at every linear shape of the default model: bf16 (``bf16gemv`` vs ``onednn-prepacked``, or the
+dense kernel bf16 decode rows would run otherwise), int4 g32 (``int4gemv`` vs ``int4pack``) and int8 per channel
 (``int8gemv`` vs ``int8pack``), on one row (a decode step) and on five (a K = 4 verification). Each call runs on
 the next of enough weights of that shape (about 64 MB of int8 codes, or two) that it streams them from memory as
 decoding does; the two kernels alternate in paired, interleaved rounds (``runtime.measure.paired_ratio``) and each
@@ -21,6 +22,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from evals.roofline import measure_bandwidth
 from quant.gemv import Int4GemvKernel, Int8GemvKernel, gemv_missing, streamed
+from runtime import packed_linear
 from runtime.argtypes import positive_int
 from runtime.hardware import probe
 from runtime.loading import set_threads
@@ -30,6 +32,27 @@ from runtime.measure import Sample, SpeedProtocol, paired_ratio, with_ci
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 FORMATS = [(Int4GemvKernel, "w4g32-sym"), (Int8GemvKernel, "w8ch-sym")]
 ROWS = (1, 5)
+BF16 = "bf16"
+
+
+def bf16_streamed(name: str, n: int, k: int, stream_mb: int = 64) -> list:
+    """Dense bf16 kernel ``name`` on distinct random weights of one shape, as ``quant.gemv.streamed`` builds the
+    int ones (the same count: ``stream_mb`` of int8-code-sized weights, at least two)."""
+    make = packed_linear.DENSE[torch.bfloat16][name]
+    g = torch.Generator().manual_seed(0)
+    return [make(torch.randn(n, k, generator=g).bfloat16()) for _ in range(max(2, stream_mb * 2 ** 20 // (n * k)))]
+
+
+def pairs():
+    """(format, kernel, torch's kernel, why not run or None, factory: (n, k) -> (ours, theirs, packed bytes))."""
+    other = "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
+    yield BF16, packed_linear.GEMV, other, packed_linear.gemv_missing(), lambda n, k: (
+        bf16_streamed(packed_linear.GEMV, n, k), bf16_streamed(other, n, k), n * k * 2)
+    for cls, scheme in FORMATS:
+        def make(n, k, cls=cls, scheme=scheme):
+            ours = streamed(cls, scheme, n, k)
+            return ours, streamed(cls.replaces, scheme, n, k), sum(b.nbytes for b in ours[0].buffers())
+        yield scheme, cls.name, cls.replaces.name, gemv_missing(cls.name), make
 
 
 def one_pass(kernels: list, x: torch.Tensor):
@@ -45,29 +68,29 @@ def one_pass(kernels: list, x: torch.Tensor):
 def run() -> RunRecord:
     bandwidth = measure_bandwidth()
     rows = []
-    for cls, scheme in FORMATS:
-        if gemv_missing(cls.name) and "slower" not in gemv_missing(cls.name):
-            rows.append({"format": scheme, "kernel": cls.name, "missing": gemv_missing(cls.name)})
+    for scheme, name, torch_name, missing, make in pairs():
+        if missing and "slower" not in missing:
+            rows.append({"format": scheme, "kernel": name, "missing": missing})
             continue
         for n, k in SHAPES:
-            ours, theirs = streamed(cls, scheme, n, k), streamed(cls.replaces, scheme, n, k)
-            nbytes = sum(b.nbytes for b in ours[0].buffers())
+            ours, theirs, nbytes = make(n, k)
             for m in ROWS:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
                 paired = paired_ratio(one_pass(theirs, x), one_pass(ours, x), 1, SpeedProtocol(),
                                       f"one pass over {len(ours)} weights")
-                rows.append({"format": scheme, "shape": [n, k], "rows": m, "kernel": cls.name,
-                             "torch_kernel": cls.replaces.name, "bytes": nbytes, "weights": len(ours),
+                rows.append({"format": scheme, "shape": [n, k], "rows": m, "kernel": name,
+                             "torch_kernel": torch_name, "bytes": nbytes, "weights": len(ours),
                              "us": 1e6 / paired.candidate.value, "torch_us": 1e6 / paired.reference.value,
                              "gb_s": nbytes * paired.candidate.value / 1e9,
                              "torch_gb_s": nbytes * paired.reference.value / 1e9,
                              "speedup": paired.ratio.value, "speedup_ci": list(paired.ratio.ci),
                              "noisy": paired.noisy, "rounds": paired.rounds})
                 print(rows[-1], flush=True)
+            del ours, theirs
     return RunRecord(
         name="gemv",
         model=ModelCondition("default model's linear shapes (random codes)", "-",
-                             "bf16 inputs x int4 g32 sym / int8 per-channel sym weights, bf16 scales"),
+                             "bf16 inputs x bf16 / int4 g32 sym / int8 per-channel sym weights, bf16 scales"),
         hardware=hardware_info(),
         lengths=LengthDistribution(1, {"rows": list(ROWS)}, {"fixed": 0},
                                    "random bf16 inputs; one and five rows per product (decode, K = 4 verification)",
@@ -83,7 +106,7 @@ def run() -> RunRecord:
                         "the mean log ratio",
              "gb_s": "packed weight bytes (codes + scales) per product x products/s"},
             "speed only; correctness: tests/test_gemv.py (same weights as the torch kernel, the dequantized "
-            "product, rows bitwise alike alone and batched)"),
+            "(bf16: plain) product, rows bitwise alike alone and batched)"),
         results={"bandwidth_gb_s": bandwidth / 1e9, "load_average_1_5_15": os.getloadavg(), "rows": rows},
     )
 

@@ -279,10 +279,11 @@ def render_quant_decode_compiled(d: dict) -> str:
     ])
 
 
-@bench("gemv.*.json", "quantspec's int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
-       "Each product of `quant.gemv`'s AVX512-BF16 kernels (`int4gemv`: int4 g32, `int8gemv`: int8 per channel; a "
-       "code made an exact bf16 with one OR, multiplied by `vdpbf16ps`) paired with the torch kernel it stands in "
-       "for (`int4pack`, `int8pack`: the same weights) at every linear shape of the default model, on one row "
+@bench("gemv.*.json", "quantspec's bf16 / int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
+       "Each product of quantspec's AVX512-BF16 kernels (`runtime/cpu_ops.py`: `bf16gemv` on bf16 weights, "
+       "`int4gemv` on int4 g32, `int8gemv` on int8 per channel, a code made an exact bf16 with one OR; all multiply "
+       "with `vdpbf16ps`) paired with the torch kernel it stands in for (oneDNN's prepacked bf16 GEMM, `int4pack`, "
+       "`int8pack`: the same weights) at every linear shape of the default model, on one row "
        "(decode) and five (a four-token verification), each call on the next of enough distinct weights that they "
        "stream from memory; ratio with its CI, and the read bandwidth each kernel reaches beside the machine's.")
 def render_gemv(d: dict) -> str:
@@ -317,11 +318,11 @@ def render_step_attention(d: dict) -> str:
 
 @bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
-       "The bf16 step with weights frozen and prepacked (max-autotune choosing among inductor's C++ GEMM templates "
-       "only, as the product now builds it, or among ATen / oneDNN and the templates, its earlier default), and two "
-       "alternatives that leave the weights as graph inputs so "
-       "that one graph, cached on disk, would serve every model of the same shapes (a search's trials): `F.linear` "
-       "as is, or each linear as a fused multiply-reduce. Per option: decode speed paired with the eager step, the "
+       "The bf16 step as the product builds it (weights frozen, bf16 linears calling quantspec's `bf16gemv` op as "
+       "extern kernels, q/k/v and gate/up fused into one call each), the same with inductor's C++ wrapper, the same "
+       "with the weights left as graph inputs (no freezing: one graph for every model of the same shapes), and the "
+       "product's step before `bf16gemv` (weights frozen and prepacked for inductor's C++ GEMM templates). Per "
+       "option: decode speed paired with the eager step (which runs `bf16gemv` too where the option does), the "
        "five-token verification step's cost over the one-token step and how many of its rows differ bitwise from "
        "the one-token step (greedy speculation needs none), and build seconds in a fresh process (cold cache), a "
        "second process (warm cache) and for a second model of the same shapes in the same process.")

@@ -1,4 +1,4 @@
-"""``int4gemv`` and ``int8gemv``: quantspec's own C++ kernels (``quant/csrc/gemv.cpp``) for decode-sized
+"""``int4gemv`` and ``int8gemv``: quantspec's own C++ kernels (``runtime/csrc/gemv.cpp``) for decode-sized
 products of int4 / int8 weights and bf16 inputs on AVX512-BF16.
 
 torch's ``_weight_int4pack_mm_for_cpu`` streams the default model's int4 body at about 12 GB/s at one row on an
@@ -9,67 +9,22 @@ nibbles. Each kernel runs the format of the torch kernel it stands in for (``int
 with bf16 ``s``, ``t`` per group; ``int8pack``: ``w = q * s`` with a bf16 ``s`` per channel), so the weights
 and checkpoints are the same; only the summation order differs.
 
-The ops are built with torch's C++ extension loader (ninja and the C++ compiler; seconds, once per machine and
-torch version, under ``$QUANTSPEC_HOME/extensions``) the first time a machine with AVX512-BF16 asks for them. A
-kernel is used only where it builds, gives the right product and is faster than the torch kernel on one row of
-the default model's MLP shape (``gemv_missing`` says why not otherwise; layers then run the torch kernel);
-``int8gemv`` is opt-in (see its class). A row's output is bitwise the same alone as in a batch by construction:
+The ops are built on first use (``runtime/cpu_ops.py``). A kernel is used only where they build, it gives the
+right product and is faster than the torch kernel on one row of the default model's MLP shape (``gemv_missing``
+says why not otherwise; layers then run the torch kernel); ``int8gemv`` is opt-in (see its class). A row's output is bitwise the same alone as in a batch by construction:
 every row runs the same instructions.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-from pathlib import Path
 
 import torch
 
 from quant.qlinear import FAST_DTYPE, KERNELS, Int4PackKernel, Int8PackKernel, Kernel, register_kernel, select_kernel
 from quant.scheme import parse_scheme
+from runtime.cpu_ops import ROWS, build_dir, ops_missing
 from runtime.errors import UserError
-from runtime.hardware import OVERRIDE_ENV, cpu_flag, measured_speeds, probe, quantspec_home, ranked
-
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off"]
-ROWS = 16  # output rows per block of the packed layouts
-
-
-def build_dir() -> Path:
-    """Where this source, these flags and this torch build the ops (a change to any of them builds anew)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
-    return quantspec_home() / "extensions" / f"gemv-{key.hexdigest()[:12]}"
-
-
-@functools.cache
-def _build() -> str | None:
-    """Build and load the ops once per process; why they cannot be used, or None."""
-    from torch.utils import cpp_extension
-
-    where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    if not any(where.glob("*.so")):
-        log.warning("building quantspec's int4/int8 GEMV kernels (once per machine and torch version)")
-    try:
-        cpp_extension.load("quantspec_gemv", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(where), is_python_module=False, verbose=False)
-    except Exception as exc:  # noqa: BLE001  (any build failure means: use torch's kernels)
-        return f"its C++ build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
-    torch.library.register_fake("quantspec::int4_gemv")(
-        lambda x, packed, group_size, out_features: x.new_empty(x.shape[0], out_features))
-    torch.library.register_fake("quantspec::int8_gemv")(
-        lambda x, packed, scales: x.new_empty(x.shape[0], scales.shape[0]))
-    return None
-
-
-def _runnable() -> str | None:
-    """Why the ops cannot run on this machine (built here when they can), or None."""
-    if probe().forced:
-        return f"not used under {OVERRIDE_ENV}={probe().forced}"
-    if not cpu_flag("avx512_bf16"):
-        return "needs AVX512-BF16, which this CPU lacks"
-    return _build()
+from runtime.hardware import measured_speeds, ranked
 
 
 class GemvKernel(Kernel):
@@ -84,7 +39,7 @@ class GemvKernel(Kernel):
                 and gemv_missing(cls.name) is None)
 
     def check_runnable(self) -> None:
-        if why := _runnable():
+        if why := ops_missing():
             raise UserError(f"kernel {self.name!r} cannot run here: {why}; use kernel {self.replaces.name!r}")
 
 
@@ -191,7 +146,7 @@ def gemv_missing(name: str) -> str | None:
     """Why kernel ``name`` is not used here (the AVX2 override, no AVX512-BF16, a failed build, a wrong
     product, or slower than the torch kernel on one row), or None."""
     cls: type[GemvKernel] = KERNELS[name]
-    why = _runnable()
+    why = ops_missing()
     if why:
         return why
     args = _example(cls.probe_scheme, 32, 128)

@@ -2,15 +2,19 @@
 
 A step takes n tokens and their positions as a tensor and attends over the whole preallocated KV cache, with a
 mask hiding positions not yet written, so its shapes depend on n only and one ``torch.compile`` graph serves every
-position (inductor's C++ backend on CPU, weights frozen into the graph and prepacked by inductor; on CPU the
-attention is ``reduce_attention``, fused by inductor, where SDPA's kernel made reading the whole cache slow). A ``Decoder``
+position (inductor's C++ backend on CPU; bf16 linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v
+and gate/up as one call each, other linears have their weights frozen into the graph and prepacked by inductor; on
+CPU the attention is ``reduce_attention``, fused by inductor, where SDPA's kernel made reading the whole cache
+slow; bf16 intermediates are rounded as eager rounds them, so a K+1-token step's rows are the one-token step's
+wherever its kernels are row-invariant). A ``Decoder``
 compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
 step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
 
 Where speed is measured the setting is ``--compile``: ``auto`` (compile in ``DEFAULT_MODE`` where inductor can
 build here), ``eager``, or a mode name (``resolve_compile``). Inductor's kernels are cached under
-``$QUANTSPEC_HOME/inductor``; its FX-graph cache skips graphs with frozen, mkldnn-packed weights (torch 2.13:
-"mkldnn tensors unpickleable"), so each process still pays tracing and lowering, reported as ``compile_s``.
+``$QUANTSPEC_HOME/inductor``, its FX graphs too where they hold no mkldnn-packed weights (torch 2.13: "mkldnn
+tensors unpickleable"): a step whose every linear calls ``bf16gemv`` leaves its weights as graph inputs, so one
+cached graph serves every model of its shapes (seconds to build after the first); the build is ``compile_s``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from torch._dynamo.exc import TorchDynamoException
 
 from runtime.errors import UserError
 from runtime.hardware import quantspec_home
+from runtime.packed_linear import gemv_only, prepare
 from runtime.transformer import Transformer
 
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # reduce-overhead: CUDA graphs on a GPU
@@ -149,8 +154,8 @@ def static_step(model: Transformer, tokens: torch.Tensor,
 class CompiledStep:
     """``step(tokens, input_pos)``: the model's forward of a fixed number of tokens (one step per token count:
     ``dynamic=False``, so another count would be another graph), returning (logits, hidden) like
-    ``model(..., return_hidden=True)``, compiled on the first call with the weights frozen into the graph (build a
-    new step after editing them). A model whose step does not compile to one graph (e.g. a quantized KV cache,
+    ``model(..., return_hidden=True)``, compiled on the first call from the weights as they are then (frozen into
+    the graph, or the packs ``prepare`` made: build a new step after editing them). A model whose step does not compile to one graph (e.g. a quantized KV cache,
     which slices at the position's value) runs its eager forward instead, and ``fallback`` says why (printed once)."""
 
     def __init__(self, model: Transformer, mode: str = DEFAULT_MODE):
@@ -162,8 +167,14 @@ class CompiledStep:
         use_cache_dir()
         # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
         # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
-        self._config = {**torch._inductor.list_mode_options(mode), "freezing": True,
-                        "max_autotune_report_choices_stats": False}
+        # emulate_precision_casts: a fused bf16 intermediate is rounded where eager rounds it, so whether inductor
+        # fuses it (which differs between a one-token and a K+1-token graph) does not change a row's result
+        self._config = {**torch._inductor.list_mode_options(mode), "max_autotune_report_choices_stats": False,
+                        "emulate_precision_casts": True}
+        # weights frozen into the graph where inductor runs a linear itself (it prepacks them); left as graph inputs
+        # where every linear calls bf16gemv (nothing to prepack): then one cached graph serves every model of the
+        # same shapes (bench/results/compile_options.*.json). None: decided on the first call (``gemv_only``)
+        self.freezing: bool | None = None
         backends = gemm_backends(mode, model.embed_tokens.weight.device.type)
         if backends:
             self._config["max_autotune_gemm_backends"] = backends
@@ -179,6 +190,10 @@ class CompiledStep:
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fallback is None:
             start = time.perf_counter()
+            if self.compile_s is None:
+                prepare(self.model)  # the weights' packs, which the graph reads (bf16gemv's layout)
+                self.freezing = not gemv_only(self.model) if self.freezing is None else self.freezing
+                self._config["freezing"] = self.freezing
             try:
                 with torch._inductor.config.patch(self._config), quiet_autotune():
                     out = self._compiled(self.model, tokens, input_pos)

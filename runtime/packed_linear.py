@@ -7,7 +7,11 @@ faster (what inductor's weight freezing does; measured in bench/results, decode-
 * fp32: ``mkl-prepacked`` (MKL's packed GEMM) or ``aten-fp32`` (plain ``F.linear``).
 * bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``
   (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
-  missing the others are labelled as a fallback.
+  missing the others are labelled as a fallback. For decode-sized products (up to ``EXACT_ROWS`` rows)
+  ``bf16gemv``, quantspec's own AVX512-BF16 kernel (``runtime/cpu_ops.py``), goes first where it runs, is right
+  and streams one row faster than the kernel it displaces (``gemv_missing`` says why not otherwise); compiled
+  steps call it too, as an extern kernel on the same packed weight, so their verification rows are the one-token
+  step's by construction.
 
 Where the prepacked kernel is missing, kernels are ranked per weight shape at one row (decode) and at 128
 (prefill, evaluation), measured once per machine (``runtime.hardware.ranked``). bf16 takes the fastest at decode
@@ -26,25 +30,39 @@ reported (``batch_invariant`` False) and bf16 speculation refuses it (``specdec.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.hardware import EXACT_ROWS, probe, ranked, row_invariance
+from runtime.cpu_ops import bf16_fits, build_dir, ops_missing, pack_bf16
+from runtime.hardware import EXACT_ROWS, measured_speeds, probe, ranked, row_invariance
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
+class _Bf16Gemv:
+    """``quantspec::bf16_gemv`` on one packed weight (``packed``: what compiled steps pass the op)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed, self.out_features = pack_bf16(weight), weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantspec.bf16_gemv(x, self.packed, self.out_features)
+
+
 @dataclass
 class DenseKernel:
-    """One packed weight: ``fn`` computes ``x [M, K] -> [M, N]``; ``name`` and ``batch_invariant`` are reported."""
+    """One packed weight: ``fn`` computes ``x [M, K] -> [M, N]``; ``name`` and ``batch_invariant`` are reported;
+    ``gemv``: the ``bf16gemv`` product where it runs the decode rows (compiled steps call its op on its weight)."""
 
     fn: Fn
     name: str
     batch_invariant: bool
+    gemv: _Bf16Gemv | None = field(default=None, repr=False)
 
 
 def _onednn_bf16(weight: torch.Tensor) -> Fn:
@@ -67,15 +85,56 @@ def _fp32_upcast(weight: torch.Tensor) -> Fn:
 
 
 DENSE: dict[torch.dtype, dict[str, Callable[[torch.Tensor], Fn]]] = {
-    torch.bfloat16: {"onednn-prepacked": _onednn_bf16, "aten-bf16": _aten, "fp32-upcast": _fp32_upcast},
+    torch.bfloat16: {"bf16gemv": _Bf16Gemv, "onednn-prepacked": _onednn_bf16, "aten-bf16": _aten,
+                     "fp32-upcast": _fp32_upcast},
     torch.float32: {"mkl-prepacked": _mkl_fp32, "aten-fp32": _aten},
 }
+GEMV = "bf16gemv"
 
 
 def candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Fn]]:
-    """The dense kernels that run here for ``dtype`` (the probe decides about the prepacked ones)."""
-    missing = {"onednn-prepacked": not probe().bf16_prepack_ok, "mkl-prepacked": not torch.backends.mkl.is_available()}
+    """The dense kernels that run here for ``dtype`` (the probe decides about the prepacked ones, ``gemv_missing``
+    about ``bf16gemv``)."""
+    missing = {"onednn-prepacked": not probe().bf16_prepack_ok, "mkl-prepacked": not torch.backends.mkl.is_available(),
+               GEMV: dtype == torch.bfloat16 and gemv_missing() is not None}
     return {name: make for name, make in DENSE.get(dtype, {}).items() if not missing.get(name)}
+
+
+def gemv_missing() -> str | None:
+    """Why ``bf16gemv`` does not run bf16 decode rows here (its ops cannot run, a wrong product, or slower than
+    the kernel it would displace on one streamed row), or None."""
+    return ops_missing() or _gemv_verdict(build_dir())
+
+
+@functools.cache
+def _gemv_verdict(build: Path, n: int = 1536, k: int = 576, stream_mb: int = 64) -> str | None:
+    """``bf16gemv``'s product checked, and timed against the kernel it would displace on one row of the default
+    model's MLP shape, each call on the next of enough weights (``stream_mb``) that it streams from memory as
+    decoding does (once per build of the ops and home: the timings are kept in its ``hardware.json``)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((32, 128), (3, 128)))
+    want = F.linear(x.float(), w.float())
+    err = float((_Bf16Gemv(w)(x).float() - want).abs().max() / want.abs().max())
+    if err > 1e-2:
+        return f"wrong results (max relative error {err:.3g} against an fp32 product)"
+    other = "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
+
+    def factory(make):
+        copies = []  # built only if the speeds are measured
+
+        def run(rows):
+            copies[:] = copies or [make(torch.randn(n, k, generator=g).to(torch.bfloat16))
+                                   for _ in range(max(2, stream_mb * 2 ** 19 // (n * k)))]
+            x, turn = torch.randn(rows, k, generator=g).to(torch.bfloat16), iter(range(10 ** 9))
+            return lambda: copies[next(turn) % len(copies)](x)
+        return run
+
+    name = f"{GEMV}-vs-{other}/{n}x{k}/streamed/{build.name}"  # re-measured per build
+    ranked(name, {GEMV: factory(_Bf16Gemv), other: factory(DENSE[torch.bfloat16][other])})
+    us = measured_speeds()[name]["us"]["decode"]
+    if us[GEMV] >= us[other]:
+        return f"slower than {other} on one row here ({us[GEMV]} vs {us[other]} us)"
+    return None
 
 
 def _by_speed(dtype: torch.dtype, shape: torch.Size) -> dict[str, list[str]]:
@@ -109,10 +168,12 @@ def by_rows(narrow: Fn, make_wide: Callable[[], Fn]) -> Fn:
 
 def pack(weight: torch.Tensor) -> DenseKernel | None:
     """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere
-    the fastest fallback here. In bf16: for up to ``EXACT_ROWS`` rows the fastest at decode whose rows are
-    batch-invariant (exact speculation; the fastest when none is), above that the fastest at 128 rows.
-    Fallbacks are labelled as such."""
+    the fastest fallback here. In bf16: for up to ``EXACT_ROWS`` rows ``bf16gemv`` where it runs and fits, else
+    the fastest at decode whose rows are batch-invariant (exact speculation; the fastest when none is), above that
+    the fastest at 128 rows. Fallbacks are labelled as such."""
     makers = candidates(weight.dtype)
+    gemv = [GEMV] if GEMV in makers and bf16_fits(weight) else []
+    makers.pop(GEMV, None)
     if not makers:
         return None
     prepacked = [name for name in makers if name.endswith("-prepacked")]
@@ -121,17 +182,19 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     else:
         rank = _by_speed(weight.dtype, weight.shape)
         decode, batch = rank["decode"], rank["batch"]
+    makers = {GEMV: DENSE[weight.dtype][GEMV]} | makers if gemv else makers
     missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
     fallback = f" (fallback: {missing})" if missing else ""
     if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
         return DenseKernel(makers[decode[0]](weight), decode[0] + fallback, False)
-    tried = ((name, *_invariant(makers[name](weight), name, weight.shape)) for name in decode)
+    tried = ((name, *_invariant(makers[name](weight), name, weight.shape)) for name in gemv + decode)
     first = next(tried)
     name, fn, invariant = first if first[2] else next((t for t in tried if t[2]), first)
+    gemv = fn if name == GEMV else None
     if batch[0] == name:
-        return DenseKernel(fn, name + fallback, invariant)
+        return DenseKernel(fn, name + fallback, invariant, gemv)
     return DenseKernel(by_rows(fn, lambda: makers[batch[0]](weight)),
-                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant)
+                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant, gemv)
 
 
 class DensePack:
@@ -140,6 +203,11 @@ class DensePack:
     def __init__(self):
         self.kernel: DenseKernel | None = None
         self._key = None
+
+    @property
+    def gemv_weight(self) -> torch.Tensor | None:
+        """The ``bf16gemv`` layout of the weight last packed (None: another kernel runs its decode rows)."""
+        return self.kernel.gemv.packed if self.kernel and self.kernel.gemv else None
 
     def get(self, weight: torch.Tensor) -> DenseKernel | None:
         if weight.device.type != "cpu":
@@ -151,7 +219,13 @@ class DensePack:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, weight)`` on the packed kernel (plain ``F.linear`` for grad, other dtypes/devices, and
-        under ``torch.compile``, whose weight freezing prepacks it: ``runtime.compiled``)."""
+        under ``torch.compile``, whose weight freezing prepacks it: ``runtime.compiled``; compiled steps of up to
+        ``EXACT_ROWS`` rows call ``bf16gemv`` where it runs the eager decode rows, on the weight ``prepare`` packed)."""
+        if torch.compiler.is_compiling() and self.gemv_weight is not None and x.dtype == weight.dtype:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.shape[0] <= EXACT_ROWS:
+                y = torch.ops.quantspec.bf16_gemv(rows, self.gemv_weight, weight.shape[0])
+                return y.reshape(*x.shape[:-1], weight.shape[0])
         kernel = None
         if (x.dtype == weight.dtype and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and weight.requires_grad)):
@@ -159,6 +233,61 @@ class DensePack:
         if kernel is None:
             return F.linear(x, weight)
         return kernel.fn(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def prepare(model: nn.Module) -> None:
+    """Pack every layer's weight as it is now, before a compiled step traces the layers (it reads the packs), and
+    fuse the linears each module lists in ``FUSE`` (same input) into one ``bf16gemv`` call where all run it: their
+    packed weights concatenated (their rows in blocks of 16 are the same blocks, so each output is bitwise the
+    separate call's), each layer's pack then a view of it."""
+    for module in model.modules():
+        pack_ = getattr(module, "_pack", None)
+        if isinstance(pack_, DensePack) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            pack_.get(module.weight)
+    for module in model.modules():
+        for names in getattr(module, "FUSE", ()):
+            layers = [getattr(module, n) for n in names]
+            gemvs = [layer._pack.kernel.gemv if isinstance(layer, PackedLinear) and layer._pack.kernel else None
+                     for layer in layers]
+            done = module.fused.get(names)
+            if done and all(g and g.packed.untyped_storage().data_ptr() == done.packed.untyped_storage().data_ptr()
+                            for g in gemvs):
+                continue  # fused by an earlier step's prepare, weights unchanged since
+            module.fused[names] = None
+            if all(gemvs) and len({layer.in_features for layer in layers}) == 1:
+                packed = torch.cat([g.packed for g in gemvs])
+                sizes = [g.out_features for g in gemvs]
+                for g, view in zip(gemvs, packed.split([n * layers[0].in_features for n in sizes])):
+                    g.packed = view
+                module.fused[names] = Fused(packed, sizes, [layer.bias for layer in layers])
+
+
+def gemv_only(model: nn.Module) -> bool:
+    """Whether every linear layer of ``model`` (every module reporting a ``kernel_detail``) is a ``PackedLinear``
+    whose decode rows run ``bf16gemv`` (after ``prepare``)."""
+    layers = [m for m in model.modules() if hasattr(m, "kernel_detail")]
+    return bool(layers) and all(isinstance(m, PackedLinear) and m._pack.gemv_weight is not None for m in layers)
+
+
+@dataclass
+class Fused:
+    """Linears of one input as one ``bf16gemv`` weight: output sizes, biases (None where a layer has none)."""
+
+    packed: torch.Tensor
+    sizes: list[int]
+    biases: list[torch.Tensor | None]
+
+
+def linears(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of ``module``'s linears ``names`` (one of its ``FUSE``) on ``x``: in a compiled step of up to
+    ``EXACT_ROWS`` rows one ``bf16gemv`` call where ``prepare`` fused them, else a call each."""
+    fused = module.fused.get(names)
+    rows = x.reshape(-1, x.shape[-1])
+    if fused is None or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
+        return [getattr(module, n)(x) for n in names]
+    y = torch.ops.quantspec.bf16_gemv(rows, fused.packed, sum(fused.sizes))
+    outs = y.reshape(*x.shape[:-1], -1).split(fused.sizes, -1)
+    return [out if bias is None else out + bias for out, bias in zip(outs, fused.biases)]
 
 
 class PackedLinear(nn.Linear):

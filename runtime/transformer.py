@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.packed_linear import PackedLinear
+from runtime.packed_linear import PackedLinear, linears
 from runtime.registry import Registry
 
 
@@ -89,6 +89,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    FUSE = (("q_proj", "k_proj", "v_proj"),)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -97,12 +99,14 @@ class Attention(nn.Module):
         self.v_proj = PackedLinear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = PackedLinear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        self.fused: dict = {}  # runtime.packed_linear.prepare: FUSE's linears as one call in compiled steps
 
     def forward(self, x, cos, sin, input_pos, mask, length, attend):
         bsz, seqlen, _ = x.shape
-        q = self.q_proj(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = linears(self, self.FUSE[0], x)
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v, length)
         y = attend(q, k, v, mask)
@@ -161,15 +165,19 @@ class OnlineRotation(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSE = (("gate_proj", "up_proj"),)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.fused: dict = {}  # as Attention's
         self.gate_proj = PackedLinear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = PackedLinear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = PackedLinear(args.intermediate_size, args.dim, bias=False)
         self.down_input: OnlineRotation | None = None  # rotated models: the online transform of down_proj's input
 
     def forward(self, x):
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        gate, up = linears(self, self.FUSE[0], x)
+        h = F.silu(gate) * up
         return self.down_proj(h if self.down_input is None else self.down_input(h))
 
 

@@ -251,6 +251,30 @@ def speculate(lm, draft_dir, compile_mode="default", n=16):
     return spec, spec.generate(PROMPT, n, ignore_eos=True)
 
 
+def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir):
+    """Where every linear calls bf16gemv the weights stay graph inputs (not frozen; fp32 layers are frozen), so one
+    cached graph serves models of the same shapes: a second model's step, built from that cache, gives its own
+    logits, not the first model's (negative control for a graph that kept the first model's weights)."""
+    from runtime.packed_linear import gemv_missing
+
+    first = Decoder(tiny_bf16, max_len=64, compile_mode="default")
+    first.generate(PROMPT, 2, ignore_eos=True)
+    assert first.step.freezing is (gemv_missing() is not None)
+    other = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(-1)
+    second = Decoder(other, max_len=64, compile_mode="default")
+    eager = Decoder(other, max_len=64)
+    for d in (first, second, eager):
+        d.forward(PROMPT)
+    logits = [d.forward([7])[None] for d in (first, second, eager)]
+    assert not torch.equal(logits[0], logits[1])
+    torch.testing.assert_close(logits[1].float(), logits[2].float(), atol=0.1, rtol=0.05)
+    fp32 = Decoder(load_model(tiny_llama_dir, "fp32"), max_len=64, compile_mode="default")
+    fp32.generate(PROMPT, 2, ignore_eos=True)
+    assert fp32.step.freezing is True
+
+
 class PerturbedVerify(CompiledStep):
     """A compiled step whose multi-token logits have their last row shifted by 0.25 (argmax unchanged)."""
 

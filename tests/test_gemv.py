@@ -1,19 +1,22 @@
-"""quant/gemv.py: the AVX512-BF16 int4 / int8 GEMV kernels run their torch kernel's format (same weights, same
-export), give the dequantized product, a row's output does not depend on the rows beside it, and they are left
-out with the reason where they cannot run."""
+"""runtime/cpu_ops.py, quant/gemv.py: the AVX512-BF16 int4 / int8 GEMV kernels run their torch kernel's format
+(same weights, same export), give the dequantized product, the bf16 one the plain product; a row's output does not
+depend on the rows beside it; bf16 layers run ``bf16gemv`` for decode rows, eager and compiled; every kernel is left
+out with the reason where it cannot run."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from quant.gemv import (Int4GemvKernel, Int8GemvKernel, _example, _runnable, cpu_kernel, gemv_missing, pack4,
-                        unpack4)
+from quant.gemv import Int4GemvKernel, Int8GemvKernel, _example, cpu_kernel, gemv_missing, pack4, unpack4
 from quant.qlinear import select_kernel
 from quant.qmath import dequantize
 from quant.scheme import parse_scheme
+from runtime import packed_linear
+from runtime.cpu_ops import ops_missing, pack_bf16
 from runtime.errors import UserError
-from runtime.hardware import row_invariance
+from runtime.hardware import EXACT_ROWS, row_invariance
 
 pytestmark = pytest.mark.isa
-RUNS = pytest.mark.skipif(_runnable() is not None, reason=f"the GEMV ops cannot run here: {_runnable()}")
+RUNS = pytest.mark.skipif(ops_missing() is not None, reason=f"the GEMV ops cannot run here: {ops_missing()}")
 FORMATS = [(Int4GemvKernel, "w4g32-asym", 48, 64), (Int4GemvKernel, "w4g32-sym", 192, 576),
            (Int4GemvKernel, "w4g64-asym", 80, 128), (Int4GemvKernel, "w4g128-asym", 64, 256),
            (Int4GemvKernel, "w4g256-sym", 16, 512), (Int8GemvKernel, "w8ch-sym", 48, 64),
@@ -57,24 +60,72 @@ def test_a_broken_layout_is_caught():
 
 
 @RUNS
-@pytest.mark.parametrize("cls,scheme", [(Int4GemvKernel, "w4g32-sym"), (Int8GemvKernel, "w8ch-sym")])
-def test_rows_are_bitwise_the_same_alone_and_in_a_batch(cls, scheme):
+@pytest.mark.parametrize("n,k", [(16, 4), (48, 64), (80, 576), (32, 1540)])
+def test_bf16_gemv_is_the_plain_product(n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    gemv = packed_linear.DENSE[torch.bfloat16]["bf16gemv"](w)
+    for m in (1, 2, 5, 9, 40):
+        x = heavy_rows(m, k)
+        want = x.float() @ w.float().T
+        got = gemv(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    # negative control: the packed layout with two columns of each pair swapped gives another product
+    gemv.packed = pack_bf16(w.reshape(n, k // 2, 2).flip(2).reshape(n, k))
+    x = heavy_rows(3, k)
+    assert (gemv(x).float() - x.float() @ w.float().T).abs().max() > 0.1 * (x.float() @ w.float().T).abs().max()
+
+
+@RUNS
+def test_bf16_layers_run_bf16gemv_for_decode_rows_eager_and_compiled():
+    """Where ``gemv_missing`` finds it right and faster here, a bf16 layer runs ``bf16gemv`` up to EXACT_ROWS rows
+    and its usual kernel above; a compiled step calls the op on the weight ``prepare`` packed (negative control:
+    that packed weight zeroed, the compiled output is zero, the plain product of the weight not)."""
+    layer = packed_linear.PackedLinear(576, 192, bias=False).to(torch.bfloat16)
+    if packed_linear.gemv_missing():
+        pytest.skip(f"bf16gemv not used here: {packed_linear.gemv_missing()}")
+    x = heavy_rows(3, 576)
+    with torch.no_grad():
+        assert torch.equal(layer(x), packed_linear.DENSE[torch.bfloat16]["bf16gemv"](layer.weight)(x))
+        assert layer.kernel_detail.startswith(f"bf16gemv up to {EXACT_ROWS} rows,") and layer.batch_invariant
+        packed_linear.prepare(layer)
+        step = torch.compile(layer, fullgraph=True, dynamic=False)
+        assert torch.equal(step(x), layer(x))
+        layer._pack.gemv_weight.zero_()
+        assert not step(x).any() and F.linear(x, layer.weight).any()
+
+
+def int_pair(cls, scheme):
+    args = _example(scheme, 64, 576)
+    return cls.name, cls(*args), cls.replaces(*args)
+
+
+def bf16_pair():
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    return "bf16gemv", packed_linear.DENSE[torch.bfloat16]["bf16gemv"](w), lambda rows: rows @ w.T
+
+
+@RUNS
+@pytest.mark.parametrize("pair", [lambda: int_pair(Int4GemvKernel, "w4g32-sym"),
+                                  lambda: int_pair(Int8GemvKernel, "w8ch-sym"), bf16_pair],
+                         ids=["int4gemv", "int8gemv", "bf16gemv"])
+def test_rows_are_bitwise_the_same_alone_and_in_a_batch(pair):
     """The probe every layer runs finds the kernel row-invariant at 1..33 rows; negative control: the same probe
     on a product whose batches go through the torch kernel (another summation order) finds lone rows differ."""
-    args = _example(scheme, 64, 576)
-    ours, theirs = cls(*args), cls.replaces(*args)
+    name, ours, theirs = pair()
     x = heavy_rows(33, 576)
     assert torch.equal(torch.cat([ours(x[i:i + 1]) for i in range(33)]), ours(x))
-    assert row_invariance(("test-" + cls.name, 64), ours, 576) == "alone"
+    assert row_invariance(("test-" + name, 64), ours, 576) == "alone"
 
     def mixed(rows):
         return ours(rows) if rows.shape[0] == 1 else theirs(rows)
 
-    assert row_invariance(("test-" + cls.name + "-mixed", 64), mixed, 576) == "two-rows"
+    assert row_invariance(("test-" + name + "-mixed", 64), mixed, 576) == "two-rows"
 
 
 def test_not_used_under_the_avx2_override(monkeypatch):
-    """Forced to AVX2 (as ``make test-avx2`` runs), layers run torch's kernels and naming ours is refused."""
+    """Forced to AVX2 (as ``make test-avx2`` runs), layers run torch's kernels (bf16 ones too) and naming ours is
+    refused."""
     from runtime import hardware
 
     monkeypatch.setenv(hardware.OVERRIDE_ENV, "avx2")
@@ -83,6 +134,8 @@ def test_not_used_under_the_avx2_override(monkeypatch):
     try:
         assert "not used under" in gemv_missing("int4gemv") and (cpu_kernel(4), cpu_kernel(8)) == ("int4pack",
                                                                                                     "int8pack")
+        assert "not used under" in packed_linear.gemv_missing()
+        assert "bf16gemv" not in packed_linear.candidates(torch.bfloat16)
         spec = parse_scheme("w4g32-sym").weights
         assert select_kernel(spec, None, (64, 64)).name == "int4pack"
         with pytest.raises(UserError, match="int4gemv"):
@@ -91,3 +144,30 @@ def test_not_used_under_the_avx2_override(monkeypatch):
         monkeypatch.undo()
         hardware.probe.cache_clear()
         gemv_missing.cache_clear()
+
+
+@RUNS
+def test_fused_linears_give_each_layers_own_rows(tiny_llama_dir):
+    """``prepare`` fuses q/k/v and gate/up into one ``bf16gemv`` call per module for compiled steps: each output is
+    bitwise the layer's own (the same 16-row blocks), biases added; the layers' packs become views of the fused
+    weight (no second copy). Negative control: the fused weight with two layers' blocks swapped gives other rows."""
+    from runtime.loading import load_model
+
+    lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
+    if packed_linear.gemv_missing():
+        pytest.skip(f"bf16gemv not used here: {packed_linear.gemv_missing()}")
+    attn = lm.model.layers[0].self_attn
+    attn.k_proj.bias = torch.nn.Parameter(torch.randn(attn.k_proj.out_features).bfloat16())
+    packed_linear.prepare(lm.model)
+    names = attn.FUSE[0]
+    fused = attn.fused[names]
+    assert fused is not None and attn.k_proj._pack.gemv_weight.untyped_storage().data_ptr() == \
+        fused.packed.untyped_storage().data_ptr()
+    x = heavy_rows(5, attn.q_proj.in_features)[None]
+    with torch.no_grad():
+        own = [getattr(attn, n)(x) for n in names]
+        step = torch.compile(lambda v: packed_linear.linears(attn, names, v), fullgraph=True, dynamic=False)
+        assert all(torch.equal(a, b) for a, b in zip(step(x), own))
+        q_size, k_size = (n * attn.q_proj.in_features for n in fused.sizes[:2])
+        fused.packed[:k_size] = fused.packed[q_size:q_size + k_size].clone()  # k's blocks where q's first ones were
+        assert not torch.equal(step(x)[0], own[0])

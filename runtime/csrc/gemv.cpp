@@ -1,5 +1,8 @@
-// int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16 (quant/gemv.py packs and
-// loads them).
+// bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16 (runtime/cpu_ops.py
+// builds them; runtime/packed_linear.py and quant/gemv.py pack weights for them).
+//
+// bf16_gemv: plain bf16 weights. Layout: per block of 16 rows and per pair of columns (k, k+1), 64 bytes: bf16
+// 2i + e = w[row i, k + e], so one load is a vector of 16 (k, k+1) pairs and one vdpbf16ps consumes it.
 //
 // int4_gemv: each weight w = (u - 8) * s + t with u in 0..15 and per-(row, group) bf16 (s, t), as torch's
 // int4pack kernel reads them. A nibble u becomes the exact bf16 128 + u by OR-ing it into 0x4300, so one
@@ -120,6 +123,25 @@ void tile8(const Args& a, int64_t m0, int64_t b) {
   }
 }
 
+// bf16: two accumulators per row (pairs k = 0, 4, 8, ... and k = 2, 6, 10, ...), whatever R is.
+template <int R>
+void tile16(const Args& a, int64_t m0, int64_t b) {
+  const at::BFloat16* x = a.x + m0 * a.K;
+  const uint8_t* block = a.w + b * a.block_bytes;
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < a.K; k += 4) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + k * 32);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + k * 32 + 64);
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_dpbf16_ps(even[r], w0, pair(x + r * a.K + k));
+      odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(x + r * a.K + k + 2));
+    }
+  }
+  for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, _mm512_add_ps(even[r], odd[r]));
+}
+
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 constexpr int kMaxRows = 8;  // input rows per tile: a verification of up to 8 tokens unpacks each weight once
 
@@ -130,22 +152,23 @@ TileFn for_rows(int64_t rows, std::integer_sequence<int, R...>) {
 }
 
 template <int R> struct Int4 { static void run(const Args& a, int64_t m, int64_t b) { tile4<R>(a, m, b); } };
+template <int R> struct Bf16 { static void run(const Args& a, int64_t m, int64_t b) { tile16<R>(a, m, b); } };
 template <int R> struct Int8 { static void run(const Args& a, int64_t m, int64_t b) { tile8<R>(a, m, b); } };
 
 // Every block of 16 output rows for every input row, up to eight input rows per pass over a block's weights.
 // (On AMD EPYC Genoa one block at a time streamed faster than two or four interleaved.)
 template <template <int> class Tile>
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloat16* scales, int64_t group_size,
-               int64_t out_features, int64_t block_bytes) {
+               int64_t out_features, int64_t block_bytes, bool group_sums = true) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gemv: x must be 2-D bf16");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "gemv: packed must be contiguous uint8");
-  TORCH_CHECK(out_features % kRows == 0 && group_size % 32 == 0, "gemv: N % 16 and group_size % 32");
+  TORCH_CHECK(out_features % kRows == 0, "gemv: N % 16");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = out_features / kRows;
   TORCH_CHECK(K % group_size == 0 && packed.numel() == blocks * block_bytes, "gemv: packed size mismatch");
   at::Tensor y = at::empty({M, out_features}, x.options());
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  std::vector<float> sumx(M * (K / group_size));
+  std::vector<float> sumx(group_sums ? M * (K / group_size) : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(sumx.size()); ++i) {
     __m512 s = _mm512_setzero_ps();
     for (int64_t k = 0; k < group_size; k += 16) s = _mm512_add_ps(s, bf16_to_fp32(xp + i * group_size + k));
@@ -161,7 +184,13 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloa
   return y;
 }
 
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.size(1) % 4 == 0, "bf16_gemv: K % 4");
+  return run<Bf16>(x, packed.view(at::kByte), nullptr, x.size(1), out_features, kRows * x.size(1) * 2, false);
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, int64_t out_features) {
+  TORCH_CHECK(group_size % 32 == 0, "int4_gemv: group_size % 32");
   const int64_t groups = x.size(1) / group_size, block_bytes = groups * (64 + group_size * 8);
   return run<Int4>(x, packed, nullptr, group_size, out_features, block_bytes);
 }
@@ -176,11 +205,13 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(quantspec, m) {
+  m.def("bf16_gemv(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, int group_size, int out_features) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantspec, CPU, m) {
+  m.impl("bf16_gemv", &bf16_gemv);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int8_gemv", &int8_gemv);
 }

@@ -1,0 +1,74 @@
+"""quantspec's own C++ ops (``runtime/csrc/gemv.cpp``): ``quantspec::bf16_gemv``, ``int4_gemv`` and ``int8_gemv``,
+decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX512-BF16, each output row run by the
+same instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs).
+
+They are built with torch's C++ extension loader (ninja and the C++ compiler; seconds, once per machine and torch
+version, under ``$QUANTSPEC_HOME/extensions``) the first time a machine with AVX512-BF16 asks for them, and
+registered with fake implementations so that compiled steps call them as extern kernels. ``ops_missing`` says why
+they cannot run here; callers then use torch's kernels. Weight layouts: ``pack_bf16`` here, the int formats in
+``quant/gemv.py``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from runtime.hardware import OVERRIDE_ENV, cpu_flag, probe, quantspec_home
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off"]
+ROWS = 16  # output rows per block of the packed layouts
+
+
+def build_dir() -> Path:
+    """Where this source, these flags and this torch build the ops (a change to any of them builds anew)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    return quantspec_home() / "extensions" / f"gemv-{key.hexdigest()[:12]}"
+
+
+@functools.cache
+def _build() -> str | None:
+    """Build and load the ops once per process; why they cannot be used, or None."""
+    from torch.utils import cpp_extension
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    if not any(where.glob("*.so")):
+        log.warning("building quantspec's bf16/int4/int8 GEMV kernels (once per machine and torch version)")
+    try:
+        cpp_extension.load("quantspec_gemv", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(where), is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001  (any build failure means: use torch's kernels)
+        return f"its C++ build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
+    torch.library.register_fake("quantspec::bf16_gemv")(
+        lambda x, packed, out_features: x.new_empty(x.shape[0], out_features))
+    torch.library.register_fake("quantspec::int4_gemv")(
+        lambda x, packed, group_size, out_features: x.new_empty(x.shape[0], out_features))
+    torch.library.register_fake("quantspec::int8_gemv")(
+        lambda x, packed, scales: x.new_empty(x.shape[0], scales.shape[0]))
+    return None
+
+
+def ops_missing() -> str | None:
+    """Why the ops cannot run on this machine (built here when they can), or None."""
+    if probe().forced:
+        return f"not used under {OVERRIDE_ENV}={probe().forced}"
+    if not cpu_flag("avx512_bf16"):
+        return "needs AVX512-BF16, which this CPU lacks"
+    return _build()
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [N, K] -> ``bf16_gemv``'s layout: per block of 16 rows and pair of columns, the 16 rows' pairs."""
+    n, k = weight.shape
+    return weight.reshape(n // ROWS, ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous().reshape(-1)
+
+
+def bf16_fits(weight: torch.Tensor) -> bool:
+    """Whether ``bf16_gemv`` takes this weight's shape (rows in blocks of 16, columns in fours)."""
+    return weight.dtype == torch.bfloat16 and weight.shape[0] % ROWS == 0 and weight.shape[1] % 4 == 0
