@@ -9,10 +9,10 @@ nibbles. Each kernel runs the format of the torch kernel it stands in for (``int
 with bf16 ``s``, ``t`` per group; ``int8pack``: ``w = q * s`` with a bf16 ``s`` per channel), so the weights
 and checkpoints are the same; only the summation order differs.
 
-The ops are built on first use (``runtime/cpu_ops.py``). A kernel is used only where they build, it gives the
-right product and is faster than the torch kernel on one row of the default model's MLP shape (``gemv_missing``
-says why not otherwise; layers then run the torch kernel); ``int8gemv`` is opt-in (see its class). A row's output is bitwise the same alone as in a batch by construction:
-every row runs the same instructions.
+The ops are built on first use (``runtime/cpu_ops.py``). A kernel is used only where they build, it gives the right
+product and is faster than the torch kernel on one row of the default model's MLP shape (``gemv_missing`` says why
+not otherwise; layers then run the torch kernel); ``int8gemv`` is opt-in (see its class). A row's output is bitwise
+the same alone as in a batch by construction: every row runs the same instructions.
 """
 from __future__ import annotations
 

@@ -155,8 +155,9 @@ class CompiledStep:
     """``step(tokens, input_pos)``: the model's forward of a fixed number of tokens (one step per token count:
     ``dynamic=False``, so another count would be another graph), returning (logits, hidden) like
     ``model(..., return_hidden=True)``, compiled on the first call from the weights as they are then (frozen into
-    the graph, or the packs ``prepare`` made: build a new step after editing them). A model whose step does not compile to one graph (e.g. a quantized KV cache,
-    which slices at the position's value) runs its eager forward instead, and ``fallback`` says why (printed once)."""
+    the graph, or the packs ``prepare`` made: build a new step after editing them). A model whose step does not
+    compile to one graph (e.g. a quantized KV cache, which slices at the position's value) runs its eager forward
+    instead, and ``fallback`` says why (printed once)."""
 
     def __init__(self, model: Transformer, mode: str = DEFAULT_MODE):
         if mode not in MODES:

@@ -7,6 +7,7 @@ import torch
 from conftest import require_bf16_exact
 from quant.gemv import cpu_kernel
 from quant.kvcache import make_cache_factory
+from quant.quantize import quantize_model
 from runtime.compiled import (COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends,
                               reduce_attention, resolve_compile, step_attention)
 from runtime.errors import UserError
@@ -142,8 +143,6 @@ def test_a_step_that_does_not_compile_falls_back_to_eager_with_one_line(tiny, ca
 
 @pytest.mark.parametrize("scheme", ["W8A16", "w4g32-sym"])
 def test_quantized_linears_compile_to_one_graph(tiny_llama_dir, one_thread, scheme):
-    from quant.quantize import quantize_model
-
     lm = load_model(tiny_llama_dir, "bf16")
     kernels = quantize_model(lm, scheme, progress=False).kernels
     assert set(kernels) == {cpu_kernel(8) if scheme == "W8A16" else cpu_kernel(4)}
@@ -252,9 +251,10 @@ def speculate(lm, draft_dir, compile_mode="default", n=16):
 
 
 def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir):
-    """Where every linear calls bf16gemv the weights stay graph inputs (not frozen; fp32 layers are frozen), so one
-    cached graph serves models of the same shapes: a second model's step, built from that cache, gives its own
-    logits, not the first model's (negative control for a graph that kept the first model's weights)."""
+    """Where every linear calls bf16gemv the weights stay graph inputs (not frozen; fp32 and quantized models are),
+    so one cached graph serves models of the same shapes: a second model's step, built from that
+    cache, gives its own logits, not the first model's (negative control for a graph that kept the first model's
+    weights)."""
     from runtime.packed_linear import gemv_missing
 
     first = Decoder(tiny_bf16, max_len=64, compile_mode="default")
@@ -273,6 +273,12 @@ def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir)
     fp32 = Decoder(load_model(tiny_llama_dir, "fp32"), max_len=64, compile_mode="default")
     fp32.generate(PROMPT, 2, ignore_eos=True)
     assert fp32.step.freezing is True
+    for scheme in ("w4g32-sym", "W8A16"):  # quantized layers keep frozen weights, int4gemv ones too
+        lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
+        quantize_model(lm, scheme, progress=False)
+        step = Decoder(lm, max_len=64, compile_mode="default")
+        step.generate(PROMPT, 2, ignore_eos=True)
+        assert step.step.freezing is True
 
 
 class PerturbedVerify(CompiledStep):
