@@ -22,7 +22,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from evals.roofline import measure_bandwidth
 from quant.gemv import Int4GemvKernel, Int8GemvKernel, gemv_missing, streamed
-from runtime import packed_linear
+from runtime import hardware, packed_linear
 from runtime.argtypes import positive_int
 from runtime.hardware import probe
 from runtime.loading import set_threads
@@ -35,17 +35,17 @@ ROWS = (1, 5)
 BF16 = "bf16"
 
 
-def bf16_streamed(name: str, n: int, k: int, stream_mb: int = 64) -> list:
+def bf16_streamed(name: str, n: int, k: int) -> list:
     """Dense bf16 kernel ``name`` on distinct random weights of one shape, as ``quant.gemv.streamed`` builds the
-    int ones (the same count: ``stream_mb`` of int8-code-sized weights, at least two)."""
+    int ones (the same count: 64 MB of int8-code-sized weights, at least two)."""
     make = packed_linear.DENSE[torch.bfloat16][name]
-    g = torch.Generator().manual_seed(0)
-    return [make(torch.randn(n, k, generator=g).bfloat16()) for _ in range(max(2, stream_mb * 2 ** 20 // (n * k)))]
+    return hardware.streamed(lambda seed: make(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16()), n, k)
 
 
 def pairs():
     """(format, kernel, torch's kernel, why not run or None, factory: (n, k) -> (ours, theirs, packed bytes))."""
-    other = "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
+    other = packed_linear.displaced()
     yield BF16, packed_linear.GEMV, other, packed_linear.gemv_missing(), lambda n, k: (
         bf16_streamed(packed_linear.GEMV, n, k), bf16_streamed(other, n, k), n * k * 2)
     for cls, scheme in FORMATS:

@@ -24,7 +24,7 @@ from quant.qlinear import FAST_DTYPE, KERNELS, Int4PackKernel, Int8PackKernel, K
 from quant.scheme import parse_scheme
 from runtime.cpu_ops import ROWS, build_dir, ops_missing
 from runtime.errors import UserError
-from runtime.hardware import measured_speeds, ranked
+from runtime import hardware
 
 
 class GemvKernel(Kernel):
@@ -136,9 +136,8 @@ def _example(scheme: str, n: int, k: int, seed: int = 0):
 
 
 def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: int = 64) -> list[Kernel]:
-    """Kernels on distinct random weights of one shape, ``stream_mb`` of int8 codes in all (at least two), so that
-    calling them in turn streams the weights from memory as decoding does."""
-    return [kernel_cls(*_example(scheme, n, k, seed)) for seed in range(max(2, stream_mb * 2 ** 20 // (n * k)))]
+    """Kernels on distinct random weights of one shape, ``stream_mb`` of int8 codes in all (``hardware.streamed``)."""
+    return hardware.streamed(lambda seed: kernel_cls(*_example(scheme, n, k, seed)), n, k, stream_mb=stream_mb)
 
 
 @functools.cache
@@ -165,20 +164,9 @@ def decode_speeds(cls: type[GemvKernel], n: int = 1536, k: int = 576, stream_mb:
     """Microseconds per one-row product of the kernel and the torch kernel it replaces at the default model's
     MLP shape, each call on the next of enough weights (``stream_mb`` of int8 codes) that it streams from memory
     as in decoding (measured once per machine, cached in ``$QUANTSPEC_HOME/hardware.json``)."""
-    gen = torch.Generator().manual_seed(1)
-
-    def factory(kernel_cls):
-        copies = []  # built only if the speeds are measured
-
-        def make(rows):
-            copies[:] = copies or streamed(kernel_cls, cls.probe_scheme, n, k, stream_mb)
-            x, turn = torch.randn(rows, k, generator=gen).to(FAST_DTYPE), iter(range(10 ** 9))
-            return lambda: copies[next(turn) % len(copies)](x)
-        return make
-
     name = f"{cls.name}-vs-{cls.replaces.name}/{n}x{k}/streamed/{build_dir().name}"  # re-measured per build
-    ranked(name, {c.name: factory(c) for c in (cls, cls.replaces)})
-    return measured_speeds()[name]["us"]["decode"]
+    makers = {c.name: lambda seed, c=c: c(*_example(cls.probe_scheme, n, k, seed)) for c in (cls, cls.replaces)}
+    return hardware.streamed_decode_us(name, makers, n, k, stream_mb=stream_mb)
 
 
 def cpu_kernel(bits: int) -> str:

@@ -252,6 +252,33 @@ def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]
     return rank
 
 
+def streamed(make: Callable[[int], Callable], n: int, k: int, bytes_per_weight: float = 1,
+             stream_mb: int = 64) -> list[Callable]:
+    """``make(seed)`` for enough seeds that their ``n x k`` weights total ``stream_mb`` at ``bytes_per_weight`` (at
+    least two), so that calling them in turn streams the weights from memory as decoding does."""
+    return [make(seed) for seed in range(max(2, int(stream_mb * 2 ** 20 // (n * k * bytes_per_weight))))]
+
+
+def streamed_decode_us(name: str, makers: dict[str, Callable[[int], Callable]], n: int, k: int,
+                       bytes_per_weight: float = 1, stream_mb: int = 64) -> dict[str, float]:
+    """Microseconds per one-row bf16 product of each candidate (``makers``: name -> seed -> a product on that seed's
+    ``n x k`` weights), each call on the next of its ``streamed`` weights, measured once per machine under ``name``
+    (``ranked``; the weights are built only when measured)."""
+    gen = torch.Generator().manual_seed(1)
+
+    def factory(make):
+        copies = []
+
+        def run(rows):
+            copies[:] = copies or streamed(make, n, k, bytes_per_weight, stream_mb)
+            x, turn = torch.randn(rows, k, generator=gen).to(torch.bfloat16), iter(range(10 ** 9))
+            return lambda: copies[next(turn) % len(copies)](x)
+        return run
+
+    ranked(name, {c: factory(make) for c, make in makers.items()})
+    return measured_speeds()[name]["us"]["decode"]
+
+
 @contextlib.contextmanager
 def _measuring():
     """An exclusive lock beside the speed cache (none where the home is read-only)."""

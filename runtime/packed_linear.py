@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu_ops import bf16_fits, build_dir, ops_missing, pack_bf16
-from runtime.hardware import EXACT_ROWS, measured_speeds, probe, ranked, row_invariance
+from runtime.hardware import EXACT_ROWS, probe, ranked, row_invariance, streamed_decode_us
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -106,32 +106,27 @@ def gemv_missing() -> str | None:
     return ops_missing() or _gemv_verdict(build_dir())
 
 
+def displaced() -> str:
+    """The dense kernel bf16 decode rows run where ``bf16gemv`` does not (what it must beat)."""
+    return "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
+
+
 @functools.cache
-def _gemv_verdict(build: Path, n: int = 1536, k: int = 576, stream_mb: int = 64) -> str | None:
+def _gemv_verdict(build: Path, n: int = 1536, k: int = 576) -> str | None:
     """``bf16gemv``'s product checked, and timed against the kernel it would displace on one row of the default
-    model's MLP shape, each call on the next of enough weights (``stream_mb``) that it streams from memory as
-    decoding does (once per build of the ops and home: the timings are kept in its ``hardware.json``)."""
+    model's MLP shape, weights streamed from memory as decoding streams them (once per build of the ops and home:
+    the timings are kept in its ``hardware.json``)."""
     g = torch.Generator().manual_seed(0)
     w, x = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((32, 128), (3, 128)))
     want = F.linear(x.float(), w.float())
     err = float((_Bf16Gemv(w)(x).float() - want).abs().max() / want.abs().max())
     if err > 1e-2:
         return f"wrong results (max relative error {err:.3g} against an fp32 product)"
-    other = "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
-
-    def factory(make):
-        copies = []  # built only if the speeds are measured
-
-        def run(rows):
-            copies[:] = copies or [make(torch.randn(n, k, generator=g).to(torch.bfloat16))
-                                   for _ in range(max(2, stream_mb * 2 ** 19 // (n * k)))]
-            x, turn = torch.randn(rows, k, generator=g).to(torch.bfloat16), iter(range(10 ** 9))
-            return lambda: copies[next(turn) % len(copies)](x)
-        return run
-
+    other = displaced()
+    makers = {name: lambda seed, make=DENSE[torch.bfloat16][name]: make(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)) for name in (GEMV, other)}
     name = f"{GEMV}-vs-{other}/{n}x{k}/streamed/{build.name}"  # re-measured per build
-    ranked(name, {GEMV: factory(_Bf16Gemv), other: factory(DENSE[torch.bfloat16][other])})
-    us = measured_speeds()[name]["us"]["decode"]
+    us = streamed_decode_us(name, makers, n, k, bytes_per_weight=2)
     if us[GEMV] >= us[other]:
         return f"slower than {other} on one row here ({us[GEMV]} vs {us[other]} us)"
     return None
@@ -172,8 +167,7 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     the fastest at decode whose rows are batch-invariant (exact speculation; the fastest when none is), above that
     the fastest at 128 rows. Fallbacks are labelled as such."""
     makers = candidates(weight.dtype)
-    gemv = [GEMV] if GEMV in makers and bf16_fits(weight) else []
-    makers.pop(GEMV, None)
+    gemv = [GEMV] if makers.pop(GEMV, None) and bf16_fits(weight) else []  # ranked apart: decode rows only
     if not makers:
         return None
     prepacked = [name for name in makers if name.endswith("-prepacked")]
@@ -182,19 +176,19 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     else:
         rank = _by_speed(weight.dtype, weight.shape)
         decode, batch = rank["decode"], rank["batch"]
-    makers = {GEMV: DENSE[weight.dtype][GEMV]} | makers if gemv else makers
+    build = DENSE[weight.dtype]  # bf16gemv too
     missing = probe().bf16_prepack if weight.dtype == torch.bfloat16 else None
     fallback = f" (fallback: {missing})" if missing else ""
     if weight.dtype != torch.bfloat16:  # fp32 is not made batch-invariant: its greedy equality is tested
-        return DenseKernel(makers[decode[0]](weight), decode[0] + fallback, False)
-    tried = ((name, *_invariant(makers[name](weight), name, weight.shape)) for name in gemv + decode)
+        return DenseKernel(build[decode[0]](weight), decode[0] + fallback, False)
+    tried = ((name, *_invariant(build[name](weight), name, weight.shape)) for name in gemv + decode)
     first = next(tried)
     name, fn, invariant = first if first[2] else next((t for t in tried if t[2]), first)
-    gemv = fn if name == GEMV else None
+    gemv_fn = fn if name == GEMV else None
     if batch[0] == name:
-        return DenseKernel(fn, name + fallback, invariant, gemv)
-    return DenseKernel(by_rows(fn, lambda: makers[batch[0]](weight)),
-                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant, gemv)
+        return DenseKernel(fn, name + fallback, invariant, gemv_fn)
+    return DenseKernel(by_rows(fn, lambda: build[batch[0]](weight)),
+                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant, gemv_fn)
 
 
 class DensePack:
@@ -221,11 +215,9 @@ class DensePack:
         """``F.linear(x, weight)`` on the packed kernel (plain ``F.linear`` for grad, other dtypes/devices, and
         under ``torch.compile``, whose weight freezing prepacks it: ``runtime.compiled``; compiled steps of up to
         ``EXACT_ROWS`` rows call ``bf16gemv`` where it runs the eager decode rows, on the weight ``prepare`` packed)."""
-        if torch.compiler.is_compiling() and self.gemv_weight is not None and x.dtype == weight.dtype:
-            rows = x.reshape(-1, x.shape[-1])
-            if rows.shape[0] <= EXACT_ROWS:
-                y = torch.ops.quantspec.bf16_gemv(rows, self.gemv_weight, weight.shape[0])
-                return y.reshape(*x.shape[:-1], weight.shape[0])
+        y = _compiled_gemv(x, self.gemv_weight, weight.shape[0])
+        if y is not None:
+            return y
         kernel = None
         if (x.dtype == weight.dtype and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and weight.requires_grad)):
@@ -282,12 +274,19 @@ def linears(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[
     """The outputs of ``module``'s linears ``names`` (one of its ``FUSE``) on ``x``: in a compiled step of up to
     ``EXACT_ROWS`` rows one ``bf16gemv`` call where ``prepare`` fused them, else a call each."""
     fused = module.fused.get(names)
-    rows = x.reshape(-1, x.shape[-1])
-    if fused is None or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
+    y = _compiled_gemv(x, fused.packed, sum(fused.sizes)) if fused else None
+    if y is None:
         return [getattr(module, n)(x) for n in names]
-    y = torch.ops.quantspec.bf16_gemv(rows, fused.packed, sum(fused.sizes))
-    outs = y.reshape(*x.shape[:-1], -1).split(fused.sizes, -1)
-    return [out if bias is None else out + bias for out, bias in zip(outs, fused.biases)]
+    return [out if bias is None else out + bias for out, bias in zip(y.split(fused.sizes, -1), fused.biases)]
+
+
+def _compiled_gemv(x: torch.Tensor, packed: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """``bf16gemv``'s product of ``x`` and ``packed`` inside a compiled step of up to ``EXACT_ROWS`` bf16 rows;
+    None elsewhere (eager, no packed weight, wider or other-dtype inputs)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if packed is None or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
+        return None
+    return torch.ops.quantspec.bf16_gemv(rows, packed, out_features).reshape(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Linear):
