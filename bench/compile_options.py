@@ -5,10 +5,12 @@ cold inductor cache, in a second process with that cache warm, and for a second 
 process (what each further trial of a search would pay).
 
 Options (``OPTIONS``):
-  product           the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, bf16 linears calling
-                    quantspec's ``bf16gemv`` op (runtime/cpu_ops.py) as extern kernels on the layout the eager
-                    decode rows use (q/k/v and gate/up one call each), the weights left as graph inputs (nothing
-                    to prepack: one cached graph for every model of the same shapes), inductor's Python wrapper
+  product           the product's step (runtime/compiled.py): max-autotune-no-cudagraphs, each transformer block
+                    a nested compile region (built once, called per layer), bf16 linears calling quantspec's
+                    ``bf16gemv`` op (runtime/cpu_ops.py) as extern kernels on the layout the eager decode rows use
+                    (q/k/v and gate/up one call each), the weights left as graph inputs (nothing to prepack: one
+                    cached graph for every model of the same shapes), inductor's Python wrapper
+  unrolled          the product's step as one unrolled graph (every layer's code generated and built apart)
   frozen            the same with the weights frozen into the graph
   frozen-cpp-wrapper  frozen, with inductor's C++ wrapper (no Python between the kernels of a step)
   frozen-templates  no ``bf16gemv``: bf16 linears as ``F.linear`` frozen and prepacked by inductor, GEMMs chosen
@@ -59,11 +61,14 @@ class Option:
     freezing: bool | None  # None: as the product decides (runtime.compiled.CompiledStep.freezing)
     bf16gemv: bool  # bf16 linears on quantspec's op (the product), or F.linear (inductor's GEMMs)
     cpp_wrapper: bool = False
+    regions: bool | None = None  # None: per-block regions where they build (the product); False: one unrolled graph
 
 
 OPTIONS = {o.name: o for o in (
-    Option("product", "the product's step: bf16 linears on bf16gemv (extern; q/k/v, gate/up fused), weights as "
-           "graph inputs, Python wrapper", compiled.DEFAULT_MODE, None, True),
+    Option("product", "the product's step: each block a nested compile region, bf16 linears on bf16gemv (extern; "
+           "q/k/v, gate/up fused), weights as graph inputs, Python wrapper", compiled.DEFAULT_MODE, None, True),
+    Option("unrolled", "the product's step as one unrolled graph, no per-block regions (the product before them)",
+           compiled.DEFAULT_MODE, None, True, regions=False),
     Option("frozen", "the product's step with the weights frozen into the graph", compiled.DEFAULT_MODE, True, True),
     Option("frozen-cpp-wrapper", "frozen, with inductor's C++ wrapper", compiled.DEFAULT_MODE, True, True, True),
     Option("frozen-templates", "weights frozen and prepacked, bf16 linears as F.linear on inductor's C++ GEMM "
@@ -79,6 +84,7 @@ def patch(option: Option) -> None:
         build(step, model, mode)
         step.freezing = option.freezing
         step._config["cpp_wrapper"] = option.cpp_wrapper
+        step.regions = option.regions
 
     compiled.CompiledStep.__init__ = init
     if not option.bf16gemv:
@@ -102,7 +108,8 @@ def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
     max_len = len(prompt_ids) + new_tokens + 8
     step = Decoder(lm, max_len, compile_mode=option.mode)
     step.generate(prompt_ids, 2, ignore_eos=True)  # builds the one-token step
-    out = {"one_token_build_s": step.compile_s, "fallback": step.step.fallback, "weights_frozen": step.step.freezing}
+    out = {"one_token_build_s": step.compile_s, "fallback": step.step.fallback, "weights_frozen": step.step.freezing,
+           "regions": step.step.regions}
     if not cold:
         return out
     eager = Decoder(lm, max_len)

@@ -318,14 +318,15 @@ def render_step_attention(d: dict) -> str:
 
 @bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
-       "The bf16 step as the product builds it (weights frozen, bf16 linears calling quantspec's `bf16gemv` op as "
-       "extern kernels, q/k/v and gate/up fused into one call each), the same with inductor's C++ wrapper, the same "
-       "with the weights left as graph inputs (no freezing: one graph for every model of the same shapes), and the "
-       "product's step before `bf16gemv` (weights frozen and prepacked for inductor's C++ GEMM templates). Per "
-       "option: decode speed paired with the eager step (which runs `bf16gemv` too where the option does), the "
-       "five-token verification step's cost over the one-token step and how many of its rows differ bitwise from "
-       "the one-token step (greedy speculation needs none), and build seconds in a fresh process (cold cache), a "
-       "second process (warm cache) and for a second model of the same shapes in the same process.")
+       "The bf16 step as the product builds it (each transformer block one nested compile region, built once and "
+       "called for every layer; bf16 linears calling quantspec's `bf16gemv` op as extern kernels, q/k/v and gate/up "
+       "fused into one call each; weights left as graph inputs, so one cached graph serves every model of the same "
+       "shapes), the same as one unrolled graph, with the weights frozen, frozen with inductor's C++ wrapper, and the "
+       "step before `bf16gemv` (weights frozen and prepacked for inductor's C++ GEMM templates); each file holds the "
+       "options of one run. Per option: decode speed paired with the eager step (which runs `bf16gemv` too where the "
+       "option does), the five-token verification step's cost over the one-token step and how many of its rows "
+       "differ bitwise from the one-token step (greedy speculation needs none), and build seconds in a fresh process "
+       "(cold cache), a second process (warm cache) and for a second model of the same shapes in the same process.")
 def render_compile_options(d: dict) -> str:
     r = d["results"]
     rows = [[x["option"], x["what"], "error: " + x["error"]] if "error" in x else

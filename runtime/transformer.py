@@ -287,11 +287,12 @@ class Transformer(nn.Module):
 
     def run(self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, length: int,
             n_layers: int | None = None, rope_pos: torch.Tensor | None = None,
-            aux_layers: tuple[int, ...] = (), attend=None) -> tuple[torch.Tensor, torch.Tensor]:
+            aux_layers: tuple[int, ...] = (), attend=None, block=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final-norm hidden states, after the outputs of ``aux_layers`` if any) reading the first
         ``length`` cache positions under ``mask``; no branch on tensor values, so ``runtime.compiled`` compiles it
         with ``length`` the whole cache. ``rope_pos``: RoPE positions where they differ from the cache positions
-        (left padding). ``attend``: an attention function in place of the model's (a compiled step's)."""
+        (left padding). ``attend``: an attention function in place of the model's (a compiled step's). ``block``:
+        ``block(layer, x, ...)`` runs each layer in place of ``layer(x, ...)`` (a compiled step's region)."""
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)
@@ -299,7 +300,8 @@ class Transformer(nn.Module):
         attend = attend or ATTENTION.get(self.attn_implementation)
         aux = []
         for i, layer in enumerate(self.layers[:depth]):
-            x = layer(x, cos, sin, input_pos, mask, length, attend)
+            x = block(layer, x, cos, sin, input_pos, mask, length, attend) if block else layer(
+                x, cos, sin, input_pos, mask, length, attend)
             if i in aux_layers:
                 aux.append(x)
         hidden = self.norm(x)

@@ -8,6 +8,7 @@ from conftest import require_bf16_exact
 from quant.gemv import cpu_kernel
 from quant.kvcache import make_cache_factory
 from quant.quantize import quantize_model
+from runtime import compiled
 from runtime.compiled import (COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends,
                               reduce_attention, resolve_compile, step_attention)
 from runtime.errors import UserError
@@ -279,6 +280,30 @@ def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir)
         step = Decoder(lm, max_len=64, compile_mode="default")
         step.generate(PROMPT, 2, ignore_eos=True)
         assert step.step.freezing is True
+
+
+def test_per_block_regions_compute_the_unrolled_steps_logits(tiny_bf16, monkeypatch):
+    """Each block is one nested compile region (built once, called for every layer): the step's logits are the
+    unrolled graph's, bitwise. A region that does not build (a graph break inside it) leaves the step one unrolled
+    graph, still compiled. Negative control: a region that runs the first layer for every layer differs."""
+    def one_token(regions=None):
+        decoder = Decoder(tiny_bf16, max_len=64, compile_mode="default")
+        decoder.step.regions = regions
+        decoder.forward(PROMPT)
+        return decoder.step, decoder.forward([7])
+
+    regional, logits = one_token()
+    unrolled, unrolled_logits = one_token(False)
+    assert (regional.regions, unrolled.regions) == (True, False)
+    assert torch.equal(logits, unrolled_logits)
+    monkeypatch.setattr(compiled, "per_block", torch.compiler.nested_compile_region(
+        lambda layer, *args: (torch._dynamo.graph_break(), layer(*args))[1]))
+    retried, retried_logits = one_token()
+    assert (retried.regions, retried.fallback) == (False, None) and torch.equal(retried_logits, logits)
+    first = tiny_bf16.model.layers[0]
+    monkeypatch.setattr(compiled, "per_block", torch.compiler.nested_compile_region(lambda layer, *args: first(*args)))
+    broken, broken_logits = one_token()
+    assert broken.regions and not torch.equal(broken_logits, logits)
 
 
 class PerturbedVerify(CompiledStep):
