@@ -20,7 +20,9 @@ Every option but ``product`` is an alternative this bench measures, not a produc
 patches it in. Every option runs in its own processes with its own inductor cache directory.
 
 Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2] [--options a,b]
-Writes bench/results/compile_options.<machine tag>.json (all options) or compile_options-<options>.<tag>.json.
+                                                                 [--scheme w4g32-asym]
+Writes bench/results/compile_options.<machine tag>.json (all options) or compile_options-<options>[-<scheme>].<tag>.json
+(``--scheme``: the bf16 model quantized first, RTN; its second model is quantized from weights times 1.001).
 """
 import argparse
 import json
@@ -45,6 +47,7 @@ from runtime import compiled, packed_linear
 from runtime.argtypes import positive_int
 from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import probe
+from quant.quantize import quantize_model
 from runtime.loading import load_model, set_threads
 from runtime.measure import SpeedProtocol, paired_ratio, with_ci
 from runtime.model_store import SMOLLM2, is_default_model, resolve_model, weights_hash
@@ -100,10 +103,21 @@ def median_s(fn, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
+def load(model: str, scheme: str, scale: float = 1.0):
+    """The bf16 model (bf16 speculation's attention), its weights times ``scale``, quantized with ``scheme``."""
+    lm = load_model(model, "bf16", attn_implementation="eager")
+    if scale != 1.0:
+        for p in lm.model.parameters():
+            p.mul_(scale)
+    if scheme != "none":
+        quantize_model(lm, scheme, progress=False)
+    return lm
+
+
+def worker(option: Option, model: str, new_tokens: int, cold: bool, scheme: str = "none") -> dict:
     """One process's measurements (cold: everything; warm: the one-token step's build only)."""
     patch(option)
-    lm = load_model(model, "bf16", attn_implementation="eager")  # bf16 speculation's attention
+    lm = load(model, scheme)
     prompt_ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
     max_len = len(prompt_ids) + new_tokens + 8
     step = Decoder(lm, max_len, compile_mode=option.mode)
@@ -129,9 +143,7 @@ def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
         return run
 
     one, verify = median_s(at_start(1)), median_s(at_start(VERIFY_ROWS))
-    second = load_model(model, "bf16", attn_implementation="eager")
-    for p in second.model.parameters():
-        p.mul_(1.001)  # other weights, same shapes: a search's next trial
+    second = load(model, scheme, 1.001)  # other weights, same shapes: a search's next trial
     other = Decoder(second, max_len, compile_mode=option.mode)
     other.generate(prompt_ids, 2, ignore_eos=True)
     return out | {"compiled_tok_s": paired.candidate.value, "eager_tok_s": paired.reference.value,
@@ -141,8 +153,10 @@ def worker(option: Option, model: str, new_tokens: int, cold: bool) -> dict:
                   "second_model_build_s": other.compile_s}
 
 
-def run_worker(option: Option, model: str, new_tokens: int, threads: int | None, cache: Path, cold: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", option.name, "--model", model, "--new-tokens", str(new_tokens)]
+def run_worker(option: Option, model: str, new_tokens: int, threads: int | None, cache: Path, cold: bool,
+               scheme: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", option.name, "--model", model, "--new-tokens", str(new_tokens),
+           "--scheme", scheme]
     cmd += ["--threads", str(threads)] if threads else []
     cmd += [] if cold else ["--warm"]
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -152,21 +166,21 @@ def run_worker(option: Option, model: str, new_tokens: int, threads: int | None,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(model: str, new_tokens: int, threads: int | None, options: list[Option]) -> RunRecord:
+def run(model: str, new_tokens: int, threads: int | None, options: list[Option], scheme: str = "none") -> RunRecord:
     bandwidth = measure_bandwidth()
     path = resolve_model(model)
     rows = []
     with tempfile.TemporaryDirectory(prefix="qs-compile-options-") as tmp:
         for option in options:
             cache = Path(tmp) / option.name
-            cold = run_worker(option, model, new_tokens, threads, cache, cold=True)
-            warm = run_worker(option, model, new_tokens, threads, cache, cold=False)
+            cold = run_worker(option, model, new_tokens, threads, cache, True, scheme)
+            warm = run_worker(option, model, new_tokens, threads, cache, False, scheme)
             rows.append({"option": option.name, **asdict(option), **cold,
                          "warm_one_token_build_s": warm.get("one_token_build_s"), "warm_error": warm.get("error")})
             print(f"{option.name}: {rows[-1]}", flush=True)
     return RunRecord(
         name="compile-options",
-        model=ModelCondition(model, weights_hash(path), "bf16, attention eager (batch-invariant)",
+        model=ModelCondition(model, weights_hash(path), "bf16, attention eager (batch-invariant)", scheme=scheme,
                              note=SMOLLM2.note if is_default_model(path) else ""),
         hardware=hardware_info(),
         lengths=LengthDistribution(1, {"source": "one chat prompt"}, {"fixed": new_tokens},
@@ -212,6 +226,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--options", default=",".join(OPTIONS), help=f"some of {', '.join(OPTIONS)}")
+    parser.add_argument("--scheme", default="none", help="a weight scheme to quantize with (RTN), e.g. w4g32-asym")
     parser.add_argument("--worker", choices=sorted(OPTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/compile_options.<tag>.json")
@@ -220,15 +235,16 @@ def main() -> None:
         set_threads(args.threads)
     if args.worker:
         with torch.no_grad():
-            print(json.dumps(worker(OPTIONS[args.worker], args.model, args.new_tokens, cold=not args.warm)))
+            print(json.dumps(worker(OPTIONS[args.worker], args.model, args.new_tokens, not args.warm, args.scheme)))
         return
     names = args.options.split(",")
     unknown = sorted(set(names) - set(OPTIONS))
     if unknown:
         parser.error(f"--options: unknown {', '.join(unknown)}; use some of {', '.join(OPTIONS)}")
-    record = run(args.model, args.new_tokens, args.threads, [OPTIONS[n] for n in names])
+    record = run(args.model, args.new_tokens, args.threads, [OPTIONS[n] for n in names], args.scheme)
     print_table(record)
-    subset = "" if names == list(OPTIONS) else "-" + "-".join(names)
+    subset = ("" if names == list(OPTIONS) else "-" + "-".join(names)) + ("" if args.scheme == "none" else
+                                                                          f"-{args.scheme}")
     out = record.write(args.out or Path(__file__).parent / "results" / f"compile_options{subset}.{probe().tag}.json")
     print(f"wrote {out}")
 

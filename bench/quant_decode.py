@@ -11,7 +11,7 @@ compiled quantized step is timed in paired, interleaved rounds with the compiled
 ratio with its 95% CI (issue 28's targets: int8 >= 1.6x, int4 g32 >= 2.2x), beside its byte ceiling (bf16 bytes per
 token over its own: the ratio a purely bandwidth-bound step would reach) and its share of the roofline; writes
 quant_decode_compiled.<machine tag>.json. Some rows run the same weights on another kernel than the registry's
-pick (int4 on torch's int4pack, int8 on quantspec's opt-in int8gemv), so the kernels compare in one run.
+pick (int4 on torch's int4pack, int8 on torch's int8pack), so the kernels compare in one run.
 """
 import argparse
 import os
@@ -47,7 +47,7 @@ CONFIGS = [("fp32", "fp32", None, None, None), ("bf16", "bf16", None, None, None
 MLP_SHAPE = (1536, 576)
 # compiled: target vs the compiled bf16 step; the last field names a kernel to run instead of the registry's pick
 COMPILED = [("bf16", "bf16", None, None, None), ("int8 W8A16", "bf16", "W8A16", 1.6, None),
-            ("int8 W8A16 on int8gemv", "bf16", "W8A16", 1.6, "int8gemv"),
+            ("int8 W8A16 on int8pack", "bf16", "W8A16", 1.6, "int8pack"),
             ("int8 W8A16 + head", "bf16", "w8ch-sym@ignore=", 1.6, None), ("int4 g32", "bf16", "w4g32-sym", 2.2, None),
             ("int4 g32 on int4pack", "bf16", "w4g32-sym", 2.2, "int4pack"),
             ("int4 g32 + head", "bf16", "w4g32-sym@ignore=", 2.2, None),

@@ -872,14 +872,16 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
     ])
 
 
-@bench("study_cost.json", "Search cost", "bench/study_cost.py",
+@bench("study_cost.*json", "Search cost", "bench/study_cost.py",
        "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
        "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
-       "one point calibrate once.")
+       "one point calibrate once. One file per decode step setting (`--compile`; `study_cost.json` ran eager, "
+       "before compiled steps were the default), each from an empty inductor cache where it compiled.")
 def render_study_cost(d: dict) -> str:
     r = d["results"]
     rows = [[k, num(v, 0), r["calls"].get(k, "–")] for k, v in r["seconds"].items()]
     return "\n\n".join([
+        f"Decode step: `--compile {d['engine']['config'].get('compile', 'eager')}`.",
         table(["where", "seconds", "calls"], rows),
         f"Wall {num(r['wall_s'], 0)} s against a target of {num(r['target_wall_s'], 0)} s (within target: "
         f"{num(r['within_target'])}); {r['n_finished']} finished trials ("

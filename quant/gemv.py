@@ -11,7 +11,7 @@ and checkpoints are the same; only the summation order differs.
 
 The ops are built on first use (``runtime/cpu_ops.py``). A kernel is used only where they build, it gives the right
 product and is faster than the torch kernel on one row of the default model's MLP shape (``gemv_missing`` says why
-not otherwise; layers then run the torch kernel); ``int8gemv`` is opt-in (see its class). A row's output is bitwise
+not otherwise; layers then run the torch kernel). A row's output is bitwise
 the same alone as in a batch by construction: every row runs the same instructions.
 """
 from __future__ import annotations
@@ -98,12 +98,13 @@ class Int8GemvKernel(GemvKernel, Int8PackKernel):
     """``int8pack``'s format (bf16 scales per channel) in ``int8_gemv``'s layout: codes + 128 as bytes, per block
     of 16 rows and per pair of columns.
 
-    Opt-in (``kernel="int8gemv"``, ``QuantizedLinear.use_kernel``), below ``int8pack``: on AMD EPYC (AVX-512) it
-    decoded the default model 1.23x faster than ``int8pack`` on the eager step, but under ``torch.compile``
-    inductor turns ``int8pack``'s op into its own C++ template inside the graph, which ran 1.14x ahead of this
-    kernel called out of the graph (bench/results, quant_decode_compiled)."""
+    On AMD EPYC (AVX-512) it decoded the default model 1.23x faster than ``int8pack`` on the eager step. Under
+    ``torch.compile`` inductor turns ``int8pack``'s op into its own C++ template on frozen weights, which ran 1.14x
+    ahead of this kernel, but such a step builds only as one unrolled graph that no cache keeps (60-130 s per
+    token count for every new set of weights), where this one builds in per-block regions in seconds
+    (``runtime.compiled``); ``kernel="int8pack"`` (``QuantizedLinear.use_kernel``) runs the template."""
 
-    name, priority, replaces, probe_scheme = "int8gemv", 9, Int8PackKernel, "w8ch-sym"
+    name, priority, replaces, probe_scheme = "int8gemv", 11, Int8PackKernel, "w8ch-sym"
 
     def __init__(self, q, scale, zero, spec, act=None, dtype=torch.float32):
         Kernel.__init__(self)

@@ -4,7 +4,8 @@ A step takes n tokens and their positions as a tensor and attends over the whole
 mask hiding positions not yet written, so its shapes depend on n only and one ``torch.compile`` graph serves every
 position (inductor's C++ backend on CPU; each transformer block a nested compile region, built once and called for
 every layer, where it builds; bf16 linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v
-and gate/up as one call each, other linears have their weights frozen into the graph and prepacked by inductor; on
+and gate/up as one call each, int4/int8 ones ``int4gemv`` / ``int8gemv``; where another linear runs, the weights are
+frozen into the graph (prepacked by inductor where it runs the product); on
 CPU the attention is ``reduce_attention``, fused by inductor, where SDPA's kernel made reading the whole cache
 slow; bf16 intermediates are rounded as eager rounds them, so a K+1-token step's rows are the one-token step's
 wherever its kernels are row-invariant). A ``Decoder``
@@ -182,9 +183,10 @@ class CompiledStep:
         # fuses it (which differs between a one-token and a K+1-token graph) does not change a row's result
         self._config = {**torch._inductor.list_mode_options(mode), "max_autotune_report_choices_stats": False,
                         "emulate_precision_casts": True}
-        # weights frozen into the graph where inductor runs a linear itself (it prepacks them); left as graph inputs
-        # where every linear calls bf16gemv (nothing to prepack): then one cached graph serves every model of the
-        # same shapes (bench/results/compile_options.*.json). None: decided on the first call (``gemv_only``)
+        # weights frozen into the graph where inductor runs a linear itself (it prepacks them) and around quantized
+        # ops (int4gemv / int8gemv steps ran 1.09-1.18x faster frozen, bench/results/compile_options-*-w*.json); left
+        # as graph inputs where every linear calls bf16gemv: then one cached graph serves every model of the same
+        # shapes (bench/results/compile_options.*.json). None: decided on the first call (``gemv_only``)
         self.freezing: bool | None = None
         self.regions: bool | None = None  # built as per-block regions (True) or one unrolled graph (False)
         backends = gemm_backends(mode, model.embed_tokens.weight.device.type)

@@ -148,6 +148,8 @@ class Decoder:
         if self.compile_mode and (n == 1 or compiled) and n_layers is None:
             if n not in self.steps:
                 self.steps[n] = CompiledStep(self.model, self.compile_mode)
+                if self.steps[1].regions is False:  # the one-token step's kernels did not build in a region
+                    self.steps[n].regions = False
             logits, hidden = self.steps[n](ids, input_pos)
         else:
             logits, hidden = self.model(ids, input_pos, n_layers=n_layers, return_hidden=True,

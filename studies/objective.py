@@ -134,7 +134,7 @@ class RealEvaluator:
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
                  fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None,
-                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, compile: str = "eager", **_):
+                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, compile: str = "auto", **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
         self.floor, self.threads, self.compile = floor, threads, compile

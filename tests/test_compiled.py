@@ -214,7 +214,7 @@ def test_quant_decode_compiled_record_on_the_tiny_model(tiny_llama_dir, one_thre
     rows = {r["engine"]: r for r in record.results["rows"]}
     assert [n for n in rows if " on " not in n] == ["bf16", "int8 W8A16", "int8 W8A16 + head", "int4 g32",
                                                     "int4 g32 + head"]
-    for name, kernel in (("int4 g32", "int4pack"), ("int4 g32 + head", "int4pack"), ("int8 W8A16", "int8gemv")):
+    for name, kernel in (("int4 g32", "int4pack"), ("int4 g32 + head", "int4pack"), ("int8 W8A16", "int8pack")):
         assert (f"{name} on {kernel}" in rows) == bench.another_kernel_here(rows[name]["scheme"], kernel)
         if f"{name} on {kernel}" in rows:  # the same weights on another kernel
             assert set(rows[f"{name} on {kernel}"]["kernels"]) == {kernel}
@@ -274,7 +274,7 @@ def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir)
     fp32 = Decoder(load_model(tiny_llama_dir, "fp32"), max_len=64, compile_mode="default")
     fp32.generate(PROMPT, 2, ignore_eos=True)
     assert fp32.step.freezing is True
-    for scheme in ("w4g32-sym", "W8A16"):  # quantized layers keep frozen weights, int4gemv ones too
+    for scheme in ("w4g32-sym", "W8A16"):  # quantized layers keep frozen weights, int4gemv / int8gemv ones too
         lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
         quantize_model(lm, scheme, progress=False)
         step = Decoder(lm, max_len=64, compile_mode="default")
@@ -304,6 +304,29 @@ def test_per_block_regions_compute_the_unrolled_steps_logits(tiny_bf16, monkeypa
     monkeypatch.setattr(compiled, "per_block", torch.compiler.nested_compile_region(lambda layer, *args: first(*args)))
     broken, broken_logits = one_token()
     assert broken.regions and not torch.equal(broken_logits, logits)
+
+
+def test_a_model_whose_kernel_fails_in_a_region_builds_its_steps_unrolled(tiny_llama_dir, one_thread):
+    """torch's int4pack op fails on its first call inside a region: the one-token step builds unrolled, still compiled,
+    and the model's verification steps go unrolled straight away (one graph built, no region tried first). Negative
+    control: int4gemv builds in regions."""
+    from quant.qlinear import QuantizedLinear
+
+    lm = load_model(tiny_llama_dir, "bf16")
+    quantize_model(lm, "w4g32-sym", progress=False)
+    regional = Decoder(lm, max_len=64, compile_mode="default")
+    regional.generate(PROMPT, 2, ignore_eos=True)
+    for layer in lm.model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.use_kernel("int4pack")
+    decoder = Decoder(lm, max_len=64, compile_mode="default")
+    decoder.generate(PROMPT, 2, ignore_eos=True)
+    assert (decoder.step.regions, decoder.step.fallback) == (False, None)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    decoder.forward(PROMPT[:3], compiled=True)
+    assert decoder.steps[3].regions is False and decoder.steps[3].fallback is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert regional.step.regions is (cpu_kernel(4) == "int4gemv")
 
 
 class PerturbedVerify(CompiledStep):

@@ -80,7 +80,7 @@ def search(
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
                                  help="Also write the table as JSON."),
-    compile: str = compile_option("eager"),
+    compile: str = compile_option("auto"),
 ):
     """Search configurations for the most effective tokens/s whose quality passes the floor (Optuna)."""
     require_optuna("quantspec search")
