@@ -915,9 +915,11 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
                      "; ".join(filter(None, [x["reason"], *(x.get("infeasible_because") or [])])),
                      ", ".join(x.get("notes") or [])])
     ref = d.get("reference", {})
+    steps = sorted({x["step"] for x in d["rows"] if x.get("step")})
     return "\n\n".join([
         f"Study `{d['study']}`, mode {d['mode']}, floor {d['floor']}, length band "
-        f"{compact(d.get('length_band', 'not recorded'))}; speedup reference: {compact(ref)}. "
+        f"{compact(d.get('length_band', 'not recorded'))}; speedup reference: {compact(ref)}; decode step: "
+        f"{' / '.join(steps) or 'not recorded'} (each row's one-time build, in no row's speed, is in the JSON). "
         "This file holds the table, not a run record: the speed and quality conditions of each trial live in the "
         "study's storage (see docs/methodology.md for the protocol).",
         table(["", "#", "state", "config", "backend", "tok/s", "speedup [CI]", "rounds", "acc %", "Δ pts [CI]", "flips", "KL",
