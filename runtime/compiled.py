@@ -148,7 +148,7 @@ def step_attention_name(model: Transformer) -> str:
 @torch.compiler.nested_compile_region
 def per_block(layer, x, cos, sin, input_pos, mask, length, attend):
     """One transformer block as a nested compile region: inductor builds it once and calls it for every layer
-    (hierarchical compilation), so a step builds in about a quarter of the time of its unrolled graph, at the same
+    (hierarchical compilation), so a step builds in a third to a fifth of its unrolled graph's time, at the same
     speed (bench/results/compile_options*.json). Eager, a plain call."""
     return layer(x, cos, sin, input_pos, mask, length, attend)
 
