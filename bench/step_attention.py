@@ -46,7 +46,7 @@ def step(model: str, attention: str, max_len: int, prompt_ids: list[int]) -> Dec
     lm = load_model(model, "bf16", attn_implementation=ATTENTIONS[attention])
     decoder = Decoder(lm, max_len, compile_mode=compiled.DEFAULT_MODE)
     decoder.generate(prompt_ids, 8, ignore_eos=True)
-    assert compiled.step_attention_name(lm.model) == {"sdpa": "sdpa-in-step"}.get(attention, attention)
+    assert compiled.step_attention(lm.model) == {"sdpa": "sdpa-in-step"}.get(attention, attention)
     return decoder
 
 

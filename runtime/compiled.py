@@ -33,7 +33,7 @@ from torch._dynamo.exc import TorchDynamoException
 from runtime.errors import UserError
 from runtime.hardware import quantspec_home
 from runtime.packed_linear import gemv_only, prepare
-from runtime.transformer import Transformer
+from runtime.transformer import ATTENTION, Transformer
 
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # reduce-overhead: CUDA graphs on a GPU
 # the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
@@ -132,34 +132,41 @@ def reduce_attention(q, k, v, mask):
     return out.to(v.dtype).view(bsz, n_heads, seqlen, head_dim)
 
 
-def step_attention(model: Transformer):
-    """The attention a compiled step of ``model`` runs: ``reduce_attention`` for SDPA on CPU; otherwise the
-    model's own (None: batch-invariant "eager" attention keeps its construction; on a GPU SDPA's kernels are the
-    fast ones)."""
+def step_attention(model: Transformer) -> str:
+    """The name of the attention a compiled step of ``model`` runs: ``reduce`` (``reduce_attention``) for SDPA on
+    CPU; otherwise the model's own (batch-invariant "eager" attention keeps its construction; on a GPU SDPA's
+    kernels are the fast ones)."""
     sdpa_on_cpu = model.attn_implementation == "sdpa" and model.embed_tokens.weight.device.type == "cpu"
-    return reduce_attention if sdpa_on_cpu else None
+    return "reduce" if sdpa_on_cpu else model.attn_implementation
 
 
-def step_attention_name(model: Transformer) -> str:
-    """What records call the attention of ``model``'s compiled steps."""
-    return "reduce" if step_attention(model) else model.attn_implementation
+def attention_fn(name: str):
+    """A step's attention function by name: ``reduce_attention``, or one in ``runtime.transformer.ATTENTION``."""
+    return reduce_attention if name == "reduce" else ATTENTION.get(name)
 
 
 @torch.compiler.nested_compile_region
-def per_block(layer, x, cos, sin, input_pos, mask, length, attend):
+def per_block(layer, x, cos, sin, input_pos, mask, length, attention):
     """One transformer block as a nested compile region: inductor builds it once and calls it for every layer
     (hierarchical compilation), so a step builds in a third to a fifth of its unrolled graph's time, at the same
-    speed (bench/results/compile_options*.json). Eager, a plain call."""
-    return layer(x, cos, sin, input_pos, mask, length, attend)
+    speed (bench/results/compile_options*.json). ``attention`` by name lets dynamo trace the block once and stamp
+    it out for the other layers (torch's subgraph reuse, which needs every input a tensor, a constant or a
+    module); by function, dynamo traces every layer. Eager, a plain call."""
+    return layer(x, cos, sin, input_pos, mask, length, attention_fn(attention) if isinstance(attention, str)
+                 else attention)
 
 
 def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor,
-                block=per_block) -> tuple[torch.Tensor, torch.Tensor]:
+                block=per_block, traced_once: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
     reading every cache position (masked, causal within the n tokens) with ``step_attention``; each layer through
-    ``block`` (None: one unrolled graph)."""
+    ``block`` (None: one unrolled graph). ``traced_once``: the block gets its attention by name, so dynamo traces
+    one block for all (False: by function, every block traced: what frozen weights need, which are graph
+    attributes that torch 2.13's subgraph reuse cannot map back, "Freevar has no source")."""
     mask = torch.arange(model.max_len, device=tokens.device)[None, :] <= input_pos[:, None]
-    return model.run(tokens, input_pos, mask, model.max_len, attend=step_attention(model), block=block)
+    name = step_attention(model)
+    attention = name if block and traced_once else attention_fn(name)
+    return model.run(tokens, input_pos, mask, model.max_len, attend=attention, block=block)
 
 
 class CompiledStep:
@@ -195,7 +202,8 @@ class CompiledStep:
         # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
         # decoders (each guarded on its own cache tensors) would pile up there and, past dynamo's recompile limit,
         # fall back to eager; this cache (and its frozen weights) goes when the step does
-        own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step")
+        own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step",
+                                 static_step.__defaults__)
         self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
         # CUDA graphs replay into the same output buffers: a caller holding one step's logits past the next step's
         # (the verification probe does) needs its own copy
@@ -227,7 +235,7 @@ class CompiledStep:
         builds as one unrolled graph (``regions`` says which ran; the retry rewrites the same cache positions)."""
         if self.regions is not False:
             try:
-                out = self._compiled(self.model, tokens, input_pos, per_block)
+                out = self._compiled(self.model, tokens, input_pos, per_block, not self.freezing)
                 self.regions = True
                 return out
             except (TorchDynamoException, RuntimeError):

@@ -291,8 +291,9 @@ class Transformer(nn.Module):
         """(logits, final-norm hidden states, after the outputs of ``aux_layers`` if any) reading the first
         ``length`` cache positions under ``mask``; no branch on tensor values, so ``runtime.compiled`` compiles it
         with ``length`` the whole cache. ``rope_pos``: RoPE positions where they differ from the cache positions
-        (left padding). ``attend``: an attention function in place of the model's (a compiled step's). ``block``:
-        ``block(layer, x, ...)`` runs each layer in place of ``layer(x, ...)`` (a compiled step's region)."""
+        (left padding). ``attend``: an attention function in place of the model's (a compiled step's), handed to each
+        layer, or to ``block`` as it is. ``block``: ``block(layer, x, ..., attend)`` runs each layer in place of
+        ``layer(x, ..., attend)`` (a compiled step's region)."""
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)

@@ -76,21 +76,32 @@ class SpeculativeDecoder:
         return int(next_token(self.decoder.forward(prompt_ids)[-1], self.sampling, generator))
 
     def verify_logits(self, tokens: list[int]) -> torch.Tensor:
-        """The target's logits for ``tokens`` (the last context token and the draft) in one forward. Compiled, the
-        first call of each length is probed (``compiled_rows_differing``), and greedy speculation is refused where
-        a row differs: its output could then differ from plain compiled decoding."""
+        """The target's logits for ``tokens`` (the last context token and the draft) in one forward. Compiled, a
+        draft runs padded to ``width`` rows, and the first call of each width is probed
+        (``compiled_rows_differing``): greedy speculation is refused where a row differs, since its output could
+        then differ from plain compiled decoding."""
         decoder, n = self.decoder, len(tokens)
         if decoder.compile_mode is None:
             return decoder.forward(tokens)
-        if n in self.differing:
+        width = self.width(n)
+        tokens = [*tokens, *tokens[-1:] * (width - n)]
+        if width in self.differing:
             logits = decoder.forward(tokens, compiled=True)
         else:
-            logits, self.differing[n] = compiled_rows_differing(decoder, tokens)
-        inexact = self._inexact(n)
+            logits, self.differing[width] = compiled_rows_differing(decoder, tokens)
+        inexact = self._inexact(width)
         if inexact:
             raise UserError(f"greedy speculation with --compile would not be token-exact here: {inexact}; "
                             "speculate with --compile eager")
-        return logits
+        return logits[:n]
+
+    def width(self, n: int) -> int:
+        """Rows a compiled verification of ``n`` tokens runs: K+1, a shorter draft padded with copies of its last
+        token (their rows are computed and dropped; every row is probed equal to the one-token step's, so this is
+        exact), so one compiled step serves every draft length, where one per length cost a build each
+        (n-gram drafts run short); ``n`` for no draft, or where K+1 rows would pass the cache's end."""
+        fits = self.decoder.pos + self.k + 1 <= self.decoder.max_len
+        return self.k + 1 if n > 1 and fits else n
 
     def _inexact(self, n: int) -> str | None:
         """Why greedy speculation through the compiled n-token verification could differ from plain compiled
@@ -102,24 +113,22 @@ class SpeculativeDecoder:
                 f"step's in {self.differing[n]} of {n} rows ({decoder.lm.precision})")
 
     def prepare(self, prompt_ids: list[int], k: int) -> str | None:
-        """Compiled: build and probe the verification step of every length a round up to ``k`` can use (drafts
-        may run short, as n-gram ones do), so that no timed round compiles. Where a probe refuses greedy
-        speculation, decoding goes back to the eager step (``Decoder.step_label`` says why); returns that reason.
-        Eager: nothing to do."""
+        """Compiled: build and probe the verification step rounds of ``k`` run (``width``: K+1 rows), so that no
+        timed round compiles. Where the probe refuses greedy speculation, decoding goes back to the eager step
+        (``Decoder.step_label`` says why); returns that reason. Eager: nothing to do."""
         if self.decoder.compile_mode is None:
             return None
-        for n in range(2, k + 2):
-            self.decoder.rollback(0)
-            self.decoder.forward(prompt_ids)
-            start = self.decoder.pos
-            if n not in self.differing:
-                self.differing[n] = compiled_rows_differing(self.decoder, prompt_ids[-1:] * n)[1]
-            self.decoder.rollback(start)
-            reason = self._inexact(n)
-            if reason:
-                self.decoder.fall_back(reason)
-                return reason
-        return None
+        n = k + 1
+        self.decoder.rollback(0)
+        self.decoder.forward(prompt_ids)
+        start = self.decoder.pos
+        if n not in self.differing:
+            self.differing[n] = compiled_rows_differing(self.decoder, prompt_ids[-1:] * n)[1]
+        self.decoder.rollback(start)
+        reason = self._inexact(n)
+        if reason:
+            self.decoder.fall_back(reason)
+        return reason
 
     def step(self, context: list[int], k: int, generator, stats: AcceptanceStats) -> list[int]:
         """One propose + verify round after ``context`` (the target cache holds all of it but the last token);

@@ -191,8 +191,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain decoding on another build of the target too (e.g. its faster, not batch-invariant attention), so
     rows also carry the speedup over that. ``ignore_eos=False`` stops every run at the model's end of turn
     (Spec-Bench's protocol); greedy runs then emit the same tokens as plain decoding, so rates stay comparable.
-    ``compile_mode``: plain and speculative decoding, and the verify cost curve, through compiled steps, every
-    verification length compiled (and probed) before the timed runs."""
+    ``compile_mode``: plain and speculative decoding, and the verify cost curve, through compiled steps, each K's
+    verification step (K+1 rows) compiled and probed before the timed runs."""
     if max_new_tokens < 2:
         raise UserError(f"a sweep times decoding after the first token: --output-len must be >= 2, "
                         f"got {max_new_tokens}")
@@ -200,7 +200,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len, compile_mode)
-    fell = spec.prepare(prompts[0], max(ks))
+    fell = next(filter(None, (spec.prepare(prompts[0], k) for k in ks)), None)  # each K's step, until one refuses
     if fell:  # plain decoding on the step speculation runs, so that speedup, c and V(K) compare like with like
         plain.fall_back(f"as speculation: {fell}")
     warm = prompts[0], min(8, max_new_tokens)

@@ -10,7 +10,7 @@ from quant.kvcache import make_cache_factory
 from quant.quantize import quantize_model
 from runtime import compiled
 from runtime.compiled import (COMPILE_ENV, CPU_GEMM_BACKENDS, DEFAULT_MODE, CompiledStep, gemm_backends,
-                              reduce_attention, resolve_compile, step_attention)
+                              attention_fn, reduce_attention, resolve_compile, step_attention)
 from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
@@ -71,8 +71,8 @@ def test_reduce_attention_is_sdpa_over_the_same_keys(mask_dims):
 
 
 def test_compiled_steps_attend_with_reduce_on_cpu_unless_the_model_is_batch_invariant(tiny_llama_dir, tiny):
-    assert step_attention(tiny.model) is reduce_attention
-    assert step_attention(load_model(tiny_llama_dir, "fp32", attn_implementation="eager").model) is None
+    assert step_attention(tiny.model) == "reduce" and attention_fn("reduce") is reduce_attention
+    assert step_attention(load_model(tiny_llama_dir, "fp32", attn_implementation="eager").model) == "eager"
 
 
 def test_one_graph_serves_every_position(tiny):
@@ -285,7 +285,7 @@ def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir)
 def test_per_block_regions_compute_the_unrolled_steps_logits(tiny_bf16, monkeypatch):
     """Each block is one nested compile region (built once, called for every layer): the step's logits are the
     unrolled graph's, bitwise. A region that does not build (a graph break inside it) leaves the step one unrolled
-    graph, still compiled. Negative control: a region that runs the first layer for every layer differs."""
+    graph, still compiled. Negative control: a region that doubles its input differs."""
     def one_token(regions=None):
         decoder = Decoder(tiny_bf16, max_len=64, compile_mode="default")
         decoder.step.regions = regions
@@ -300,10 +300,33 @@ def test_per_block_regions_compute_the_unrolled_steps_logits(tiny_bf16, monkeypa
         lambda layer, *args: (torch._dynamo.graph_break(), layer(*args))[1]))
     retried, retried_logits = one_token()
     assert (retried.regions, retried.fallback) == (False, None) and torch.equal(retried_logits, logits)
-    first = tiny_bf16.model.layers[0]
-    monkeypatch.setattr(compiled, "per_block", torch.compiler.nested_compile_region(lambda layer, *args: first(*args)))
+    monkeypatch.setattr(compiled, "per_block", torch.compiler.nested_compile_region(  # attention by name
+        lambda layer, x, *args: layer(2 * x, *args[:-1], compiled.attention_fn(args[-1]))))
     broken, broken_logits = one_token()
     assert broken.regions and not torch.equal(broken_logits, logits)
+
+
+def test_dynamo_traces_one_block_and_stamps_it_out_for_the_others(tiny_bf16, monkeypatch):
+    """A step whose weights are graph inputs hands each region its attention by name, so dynamo traces the first
+    block and reuses it for every other layer (torch's subgraph reuse), with the unrolled step's logits. Negative
+    control: the attention as a function (what frozen steps pass) makes dynamo trace every block."""
+    from torch._dynamo.variables import invoke_subgraph
+
+    stamped = []
+    stamp = invoke_subgraph.stamp_out_subgraph
+    monkeypatch.setattr(invoke_subgraph, "stamp_out_subgraph", lambda *a: stamped.append(1) or stamp(*a))
+
+    def one_token(traced_once):
+        decoder = Decoder(tiny_bf16, max_len=64, compile_mode="default")
+        decoder.step.freezing = not traced_once
+        decoder.forward(PROMPT)
+        del stamped[:]
+        return decoder.forward([7]), len(stamped)
+
+    logits, stamps = one_token(True)
+    frozen_logits, frozen_stamps = one_token(False)
+    assert (stamps, frozen_stamps) == (len(tiny_bf16.model.layers) - 1, 0)
+    assert torch.equal(logits, frozen_logits)
 
 
 def test_a_model_whose_kernel_fails_in_a_region_builds_its_steps_unrolled(tiny_llama_dir, one_thread):
@@ -343,8 +366,9 @@ def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_
     on this CPU, and greedy speculation through them (the target as its own draft: every draft accepted, so every
     verification row is used) emits compiled plain greedy decoding's tokens."""
     _, plain = greedy(tiny_bf16, "default", n=15)
-    spec, result = speculate(tiny_bf16, tiny_llama_dir, n=15)  # the last round verifies 2 drafts
-    assert spec.differing == {K + 1: 0, K: 0} and spec.decoder.steps[K + 1].fallback is None
+    spec, result = speculate(tiny_bf16, tiny_llama_dir, n=15)  # the last round's 2 drafts padded to K + 1 rows
+    assert spec.differing == {K + 1: 0} and set(spec.decoder.steps) == {1, K + 1}
+    assert spec.decoder.steps[K + 1].fallback is None
     assert spec.proposer.decoder.step is not None  # the draft model's steps compiled too
     assert result.tokens == plain and result.stats["alpha"] == 1.0
     # negative control: a verification step one of whose rows differs is refused, though its argmax is the same
@@ -353,15 +377,22 @@ def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_
         speculate(tiny_bf16, tiny_llama_dir)
 
 
-def test_prepare_compiles_every_verification_length_before_timing(tiny_bf16, tiny_llama_dir):
-    """``prepare`` builds and probes the compiled step of every verification length up to K+1 (n-gram drafts run
-    short, and a timed round must not compile); before it, a short generation has built only the lengths it met
-    (negative control); eager decoders have nothing to prepare."""
-    spec = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64, compile_mode="default")
-    spec.generate(PROMPT, 2, ignore_eos=True)
-    assert set(spec.decoder.steps) != set(range(1, K + 2))
-    spec.prepare(PROMPT, K)
-    assert set(spec.decoder.steps) == set(range(1, K + 2)) and set(spec.differing) >= set(range(2, K + 2))
+def test_one_verification_step_serves_every_draft_length(tiny_bf16, tiny_llama_dir, monkeypatch):
+    """``prepare`` builds and probes the compiled K+1-row verification step before timing; n-gram drafts of every
+    length then run through it, padded (no other step is built), with the tokens of the exact-width run. Negative
+    control: without padding the same run builds a step per draft length. Eager decoders have nothing to
+    prepare."""
+    def run():
+        spec = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64, compile_mode="default")
+        assert spec.prepare(PROMPT, K) is None and set(spec.decoder.steps) == {1, K + 1}
+        result = spec.generate(PROMPT, 24, ignore_eos=True)
+        return set(spec.decoder.steps), result
+
+    steps, padded = run()
+    assert steps == {1, K + 1}
+    monkeypatch.setattr(SpeculativeDecoder, "width", lambda self, n: n)
+    exact_steps, exact = run()
+    assert len(exact_steps) > 2 and exact.tokens == padded.tokens  # the run met drafts shorter than K
     eager = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64)
     eager.prepare(PROMPT, K)
     assert eager.decoder.steps == {} and eager.differing == {}

@@ -18,7 +18,7 @@ from serving.backends.base import Backend, ServingConfig, register_backend
 from serving.requests import Progress, Request, RequestResult, SpecCounters, check_fits, now
 from evals.build import build_native
 from evals.config import Config
-from runtime.compiled import gemm_backends, resolve_compile, step_attention_name
+from runtime.compiled import gemm_backends, resolve_compile, step_attention
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.threads import apply_threads
@@ -109,7 +109,7 @@ class NativeBackend(Backend):
                 "kernels_run": kernels_used(self.lm.model), "kv": point.kv,
                 "compile": self.config.compile, "step": self.step_label, "compile_s": self.compile_s,
                 "gemm_backends": gemm_backends(self.compile.mode, torch.device(self.lm.device).type),
-                "step_attention": step_attention_name(self.lm.model) if self.compile.mode else None,
+                "step_attention": step_attention(self.lm.model) if self.compile.mode else None,
                 "spec": point.spec_label, "max_len": self.config.max_model_len,
                 "threads": torch.get_num_threads(), "thread_choice": self.threads.to_dict(),
                 "batching": self.batching}
