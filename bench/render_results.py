@@ -875,8 +875,11 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
 @bench("study_cost.*json", "Search cost", "bench/study_cost.py",
        "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
        "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
-       "one point calibrate once. One file per decode step setting (`--compile`; `study_cost.json` ran eager, "
-       "before compiled steps were the default), each from an empty inductor cache where it compiled.")
+       "one point calibrate once. One file per run: `study_cost.json` ran eager, before compiled steps were the "
+       "default and before each point's speed was paired with the reference in rounds (it timed each point once); "
+       "`study_cost.compiled.json` and `study_cost.eager.json` ran the same protocol with `--compile auto` and "
+       "`--compile eager`, from empty eval and inductor caches. TPE picks its points from the numbers it measures, "
+       "so two runs do not time the same mix: compare the rows per call as well as the wall.")
 def render_study_cost(d: dict) -> str:
     r = d["results"]
     rows = [[k, num(v, 0), r["calls"].get(k, "–")] for k, v in r["seconds"].items()]
@@ -932,9 +935,10 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
     ])
 
 
-bench("study_cost-pareto.json", "Search cost: the searched table", "bench/study_cost.py",
-      "The table of the study timed above, columns as in the demo table below; the study itself is kept in "
-      "`study_cost/study.db` (`quantspec pareto --study-dir bench/results/study_cost --study-name study-cost`).")(partial(render_demo, plot=None))
+bench("study_cost*-pareto.json", "Search cost: the searched tables", "bench/study_cost.py",
+      "The tables of the studies timed above, columns as in the demo table below; each study is kept beside it "
+      "(`study_cost/study.db` for `study_cost.json`: `quantspec pareto --study-dir bench/results/study_cost "
+      "--study-name study-cost`; `study_cost_compiled/` for the compiled run).")(partial(render_demo, plot=None))
 
 
 @bench("noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",
@@ -1070,7 +1074,7 @@ SUMMARY = [  # (column, the renderer patterns whose files it reads, figures of o
     ("native / HF decode", ("decode-*.json",), decode_figures),
     ("best int8 · int4 decode vs fp32", ("quant_decode.*.json",), quant_figures),
     ("best speculative speedup", ("specdec*.json", "eagle_train_draft*.json", "spec_quant.json"), spec_figures),
-    ("best feasible search point", ("study_cost-pareto.json", "demo-pareto.json"), search_figures),
+    ("best feasible search point", ("study_cost*-pareto.json", "demo-pareto.json"), search_figures),
 ]
 SUMMARY_INTRO = (
     "Per CPU kind (CPU and ISA of the run record, or of the machine tag in the file name where the record has no "
@@ -1137,7 +1141,9 @@ conditions its run record carries; the definitions behind α, β, τ, c, the qua
 
 
 def claim(name: str) -> str | None:
-    return next((p for p in RENDERERS if fnmatch.fnmatch(name, p)), None)
+    """The renderer pattern of a file: the most specific that matches (fewest wildcards, then the longest)."""
+    return max((p for p in RENDERERS if fnmatch.fnmatch(name, p)), key=lambda p: (-p.count("*"), len(p)),
+               default=None)
 
 
 def render_page(results: Path) -> str:

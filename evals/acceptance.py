@@ -69,7 +69,7 @@ def sweep_record(target: str, lm: LoadedModel, proposer: str, sampling: Sampling
                                           "proposer": proposer, "sampling": vars(sampling),
                                           "compile_mode": sweep.compile_mode, "step": sweep.step,
                                           "compile_s": sweep.compile_s},
-                               warmup=("every verification length compiled and probed (compile_s, one-time); "
+                               warmup=("each K's verification step (K+1 rows) compiled and probed (compile_s, one-time); "
                                        if sweep.compile_mode else "") +
                                       "one 8-token request per engine (plain and each K), excluded",
                                cache_warmth="KV caches reset per request; weights resident in RAM"),

@@ -54,7 +54,7 @@ class SpeculativeDecoder:
 
     ``compile_mode`` runs the target's one-token and verification forwards (and a draft model's steps) through
     compiled steps; greedy output then equals plain decoding through the compiled one-token step, which each
-    verification length's compiled step is probed against on its first call (``verify_logits``).
+    verification width's compiled step is probed against on its first call (``verify_logits``).
 
     ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches."""
 
@@ -65,7 +65,7 @@ class SpeculativeDecoder:
         self.k = check_k(k)
         self.sampling = sampling
         self.decoder = Decoder(target, max_len, compile_mode=compile_mode)
-        self.differing: dict[int, int] = {}  # compiled verification length -> rows differing from one-token steps
+        self.differing: dict[int, int] = {}  # compiled verification width -> rows differing from one-token steps
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
         self.proposer.attach(self.decoder)
 

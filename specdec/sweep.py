@@ -100,13 +100,15 @@ class Predictions:
     draft_length_hist: list[float]  # P(a step carried n draft tokens), n = 0..K
 
 
-def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float]) -> Predictions:
+def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float], padded: bool = False) -> Predictions:
     """Thm 3.8 (every step drafts K, verification costs one decode step) and the refined prediction: the
     measured mix of draft lengths (0..K, as a lookup proposer may find nothing), K·c for the drafted tokens
-    and the measured verify cost of each length. Both use β, the per-token acceptance probability."""
+    and the measured verify cost of each length (``padded``: compiled verification runs every draft as K+1
+    rows, ``SpeculativeDecoder.width``). Both use β, the per-token acceptance probability."""
     hist = draft_length_histogram(stats)
     tokens = sum(p * expected_tokens(stats.beta, n) for n, p in enumerate(hist))
-    cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[n] for n, p in enumerate(hist))
+    rows = [stats.k if padded and n else n for n in range(len(hist))]
+    cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[rows[n]] for n, p in enumerate(hist))
     return Predictions(walltime_speedup(stats.beta, stats.k, c), tokens / cost,
                        refined_speedup(stats.beta, stats.k, c, verify_cost[stats.k]), hist)
 
@@ -239,7 +241,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
         c = (stats.propose_s / max(stats.draft_tokens, 1)) / step_s
         rows.append(SweepRow(
             k, stats, tok_s, tok_s / plain_tok_s, c, curve[k], stats.verify_s / stats.steps / step_s,
-            predictions(stats, c, curve),
+            predictions(stats, c, curve, padded=spec.decoder.compile_mode is not None),
             [{"alpha": r.stats["alpha"], "tau": r.stats["tau"], "tok_s": r.decode_tokens_per_s,
               "acceptance_per_pos": r.stats["acceptance_per_pos"],
               **{n: r.stats[n] for n in ("accepted", "draft_tokens", "drafts")}} for r in results],  # for α/τ CIs

@@ -384,6 +384,24 @@ def test_theory_edge_cases():
     assert best_k(0.8, 0.05) == max(range(1, 33), key=lambda k: walltime_speedup(0.8, k, 0.05))
 
 
+def test_refined_prediction_prices_padded_drafts_at_k_plus_one_rows():
+    """Compiled verification pads every draft to K+1 rows: the refined prediction prices a short draft at V(K),
+    a step without a draft at one decode step (V(0)); unpadded, each length at its own V(n). With only empty and
+    full drafts the two agree (negative control: the flag changes nothing there)."""
+    from specdec.sweep import predictions
+
+    curve = [1.0, 1.1, 1.2, 1.3]  # V(n), n = 0..3
+    short = AcceptanceStats(3)
+    for drafted, accepted in [(0, 0), (1, 1), (3, 2), (1, 0)]:
+        short.observe(drafted, accepted, 0.0, 0.0)
+    exact, padded = predictions(short, 0.0, curve), predictions(short, 0.0, curve, padded=True)
+    assert exact.refined_speedup / padded.refined_speedup == pytest.approx((1.0 + 1.3 * 3) / (1.0 + 1.1 * 2 + 1.3))
+    full = AcceptanceStats(3)
+    for drafted, accepted in [(0, 0), (3, 3), (3, 1)]:
+        full.observe(drafted, accepted, 0.0, 0.0)
+    assert predictions(full, 0.0, curve) == predictions(full, 0.0, curve, padded=True)
+
+
 def test_bad_proposer_specs(target, tmp_path):
     for spec, needle in [("magic", "unknown proposer"), ("layerskip:2", "1..1"), ("layerskip:0", "1..1"),
                          ("layerskip:x", "layer count"), ("ngram:min=3,max=2", "min <= max"),
