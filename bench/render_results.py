@@ -938,7 +938,7 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
 bench("study_cost*-pareto.json", "Search cost: the searched tables", "bench/study_cost.py",
       "The tables of the studies timed above, columns as in the demo table below; each study is kept beside it "
       "(`study_cost/study.db` for `study_cost.json`: `quantspec pareto --study-dir bench/results/study_cost "
-      "--study-name study-cost`; `study_cost_compiled/` for the compiled run).")(partial(render_demo, plot=None))
+      "--study-name study-cost`; `study_cost_compiled/` and `study_cost_eager/` for the other two).")(partial(render_demo, plot=None))
 
 
 @bench("noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",
