@@ -169,6 +169,14 @@ def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     return model.run(tokens, input_pos, mask, model.max_len, attend=attention, block=block)
 
 
+def step_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a compiled step checks on every call: those on its tensors that are not parameters
+    (tokens, positions, KV caches: dtype, shape, strides), as ``torch.compiler.keep_tensor_guards_unsafe``. A step
+    is built for one model as it is (``CompiledStep``), so the guards on its modules, parameters and constants
+    only cost time: checking them took 8-13% of a step (``bench/results/step_profile.*.json``, before this filter)."""
+    return torch.compiler.keep_tensor_guards_unsafe(entries)
+
+
 class CompiledStep:
     """``step(tokens, input_pos)``: the model's forward of a fixed number of tokens (one step per token count:
     ``dynamic=False``, so another count would be another graph), returning (logits, hidden) like
@@ -199,12 +207,7 @@ class CompiledStep:
         backends = gemm_backends(mode, model.embed_tokens.weight.device.type)
         if backends:
             self._config["max_autotune_gemm_backends"] = backends
-        # a copy of static_step's code object per step: dynamo caches graphs per code object, so the steps of other
-        # decoders (each guarded on its own cache tensors) would pile up there and, past dynamo's recompile limit,
-        # fall back to eager; this cache (and its frozen weights) goes when the step does
-        own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step",
-                                 static_step.__defaults__)
-        self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
+        self._compiled = self._compile()
         # CUDA graphs replay into the same output buffers: a caller holding one step's logits past the next step's
         # (the verification probe does) needs its own copy
         self._copy_out = bool(self._config.get("triton.cudagraphs"))
@@ -228,6 +231,16 @@ class CompiledStep:
                     self.compile_s = time.perf_counter() - start
         return self.model(tokens, input_pos, return_hidden=True)
 
+    @staticmethod
+    def _compile():
+        """``static_step`` to compile on its first call. A copy of its code object per step: dynamo caches graphs per
+        code object, so the steps of other decoders (each guarded on its own cache tensors) would pile up there and,
+        past dynamo's recompile limit, fall back to eager; this cache (and its frozen weights) goes when the step
+        does. Its guards are ``step_guards``'."""
+        own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step",
+                                 static_step.__defaults__)
+        return torch.compile(own, fullgraph=True, dynamic=False, options={"guard_filter_fn": step_guards})
+
     def _build(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step's outputs, per-block regions tried first. Some kernels do not build or run inside a
         region, where the weights are the region's inputs, not frozen constants (in max-autotune, fp32's and
@@ -242,4 +255,5 @@ class CompiledStep:
                 if self.regions:  # built and ran before: not the region's build
                     raise
                 self.regions = False
+                self._compiled = self._compile()  # a graph built before its first run failed: no guard tells them apart
         return self._compiled(self.model, tokens, input_pos, None)

@@ -105,19 +105,56 @@ def test_decoders_of_one_model_keep_their_own_caches(tiny, monkeypatch):
 
 
 def test_a_compiled_step_does_not_rebuild_when_another_decoder_is_made(tiny, monkeypatch):
-    """A frozen graph is guarded on the cache and RoPE tensors it was built with: a decoder made after it (a
-    benchmark's eager twin, a sweep's plain decoder) must not cost it a rebuild inside a timed run. Negative
-    control: left on the other decoder's tensors, the step compiles again."""
+    """A decoder made after a step was built (a benchmark's eager twin, a sweep's plain decoder) must not cost it a
+    rebuild inside a timed run. Negative control: with all of dynamo's guards (``step_guards`` keeping every one)
+    and left on the other decoder's tensors, the step compiles again."""
     graphs = torch._dynamo.utils.counters["stats"]
     decoder, tokens = greedy(tiny, "default")
     before = graphs["unique_graphs"]
     Decoder(tiny, 64)
     assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens == tokens
     assert graphs["unique_graphs"] == before
+    monkeypatch.setattr(compiled, "step_guards", lambda entries: [True] * len(entries))
     monkeypatch.setattr(type(tiny.model), "holds", lambda self, state: True)
+    decoder, _ = greedy(tiny, "default", n=2)
+    before = graphs["unique_graphs"]
     Decoder(tiny, 64)
     decoder.generate(PROMPT, 4, ignore_eos=True)
     assert graphs["unique_graphs"] > before
+
+
+def test_a_step_keeps_the_guards_on_its_tensors(tiny_bf16):
+    """``step_guards`` drops dynamo's guards on modules, parameters and constants (a step is built for one model as
+    it is), not those on the tensors it is given: on caches of another length the step builds again and its logits
+    are the eager forward's. Negative control: with no guards the step runs its stale graph on the new caches
+    (inductor's input checks refuse them, or the logits differ)."""
+    graphs = torch._dynamo.utils.counters["stats"]
+
+    def resized_step_logits() -> torch.Tensor:
+        decoder = Decoder(tiny_bf16, 32, compile_mode="default")
+        decoder.generate(PROMPT, 2, ignore_eos=True)
+        tiny_bf16.model.setup_cache(1, 48)
+        with torch.inference_mode():  # as Decoder.forward runs
+            tiny_bf16.model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+            logits = decoder.step(torch.tensor([[7]]), torch.tensor([len(PROMPT)]))[0]
+        assert decoder.step.fallback is None
+        return logits
+
+    eager = Decoder(tiny_bf16, 48)
+    eager.forward(PROMPT)
+    want = eager.forward([7])[-1]
+    before = graphs["unique_graphs"]
+    torch.testing.assert_close(resized_step_logits()[0, -1], want, atol=0.05, rtol=0.05)
+    assert graphs["unique_graphs"] - before == 2  # the step, then the step again on the new caches
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "step_guards", torch.compiler.skip_all_guards_unsafe)
+        before = graphs["unique_graphs"]
+        try:
+            stale = resized_step_logits()[0, -1]
+        except AssertionError:
+            stale = None
+        assert graphs["unique_graphs"] - before == 1
+        assert stale is None or not torch.allclose(stale, want, atol=0.05, rtol=0.05)
 
 
 def test_each_decoder_compiles_its_own_step_past_dynamos_recompile_limit(tiny):
