@@ -23,12 +23,14 @@ import torch
 from quant.qlinear import FAST_DTYPE, KERNELS, Int4PackKernel, Int8PackKernel, Kernel, register_kernel, select_kernel
 from quant.scheme import parse_scheme
 from runtime.cpu_ops import ROWS, build_dir, ops_missing
+from runtime.packed_linear import GemvPart
 from runtime.errors import UserError
 from runtime import hardware
 
 
-class GemvKernel(Kernel):
-    """A kernel run by one of the ops, in the format of the torch kernel ``replaces`` (its ``supports`` too)."""
+class GemvKernel(Kernel, GemvPart):
+    """A kernel run by one of the ops, in the format of the torch kernel ``replaces`` (its ``supports`` too); a
+    ``GemvPart``, so compiled steps fuse q/k/v and gate/up into one call."""
 
     replaces: type[Kernel] = Kernel
     probe_scheme = ""  # a format it runs, for the correctness and speed checks
@@ -83,6 +85,15 @@ class Int4GemvKernel(GemvKernel, Int4PackKernel):
         s, t = self.scales_and_offsets(scale, zero)
         self.register_buffer("weight", pack4(q.to(torch.int32) + 8, s, t, self.group_size))
 
+    BUFFERS = ("weight",)
+
+    @property
+    def fuse_key(self) -> tuple:
+        return "int4", self.group_size, self.in_features
+
+    def product(self, x, buffers, out_features):
+        return torch.ops.quantspec.int4_gemv(x, buffers[0], self.group_size, out_features)
+
     def forward(self, x):
         y = torch.ops.quantspec.int4_gemv(x.to(FAST_DTYPE), self.weight, self.group_size, self.out_features)
         return y.to(x.dtype)
@@ -113,7 +124,16 @@ class Int8GemvKernel(GemvKernel, Int8PackKernel):
         u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // ROWS, ROWS, k // 2, 2).permute(0, 2, 1, 3)
         self.register_buffer("weight", u.contiguous().reshape(-1))
         self.register_buffer("scales", scale.reshape(-1).to(FAST_DTYPE).contiguous())
-        self.in_features = k
+        self.in_features, self.out_features = k, n
+
+    BUFFERS = ("weight", "scales")
+
+    @property
+    def fuse_key(self) -> tuple:
+        return "int8", self.in_features
+
+    def product(self, x, buffers, out_features):
+        return torch.ops.quantspec.int8_gemv(x, *buffers)
 
     def forward(self, x):
         return torch.ops.quantspec.int8_gemv(x.to(FAST_DTYPE), self.weight, self.scales).to(x.dtype)

@@ -52,7 +52,7 @@ from quant.scheme import ActSpec, WeightSpec, parse_scheme
 from runtime.errors import UserError
 from runtime.registry import Registry
 from runtime.hardware import row_invariance
-from runtime.packed_linear import DensePack
+from runtime.packed_linear import DensePack, GemvPart
 
 FAST_DTYPE = torch.bfloat16
 
@@ -357,6 +357,12 @@ class QuantizedLinear(nn.Module):
         q, scale, zero = self.export()
         cls = select_kernel(self.spec, self.act, tuple(q.shape), name, self.kernel.device.type)
         self.kernel, self._invariance = cls(q, scale, zero, self.spec, self.act, self.dtype), None
+
+    @property
+    def gemv_part(self) -> GemvPart | None:
+        """The kernel where compiled steps may fuse it with others (``runtime.packed_linear.prepare``): one of
+        quantspec's ops on unpadded inputs."""
+        return self.kernel if isinstance(self.kernel, GemvPart) and self.padded_in == self.in_features else None
 
     @property
     def kernel_detail(self) -> str:

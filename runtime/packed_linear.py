@@ -44,11 +44,37 @@ from runtime.hardware import EXACT_ROWS, probe, ranked, row_invariance, streamed
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _Bf16Gemv:
+class GemvPart:
+    """A linear's decode product on one of quantspec's ops (``runtime.cpu_ops``), whose weights are whole blocks of
+    16 output rows: ``prepare`` fuses the linears of one input whose parts share a ``fuse_key`` into one call, each
+    of the parts' ``BUFFERS`` concatenated (each output row bitwise the separate call's: the same blocks, the same
+    instructions). ``product(x, buffers, out_features)`` runs the op on such buffers."""
+
+    BUFFERS: tuple[str, ...] = ()
+    out_features: int
+
+    @property
+    def fuse_key(self) -> tuple:
+        raise NotImplementedError
+
+    def product(self, x: torch.Tensor, buffers: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Bf16Gemv(GemvPart):
     """``quantspec::bf16_gemv`` on one packed weight (``packed``: what compiled steps pass the op)."""
 
+    BUFFERS = ("packed",)
+
     def __init__(self, weight: torch.Tensor):
-        self.packed, self.out_features = pack_bf16(weight), weight.shape[0]
+        self.packed, self.out_features, self.in_features = pack_bf16(weight), weight.shape[0], weight.shape[1]
+
+    @property
+    def fuse_key(self) -> tuple:
+        return "bf16", self.in_features
+
+    def product(self, x, buffers, out_features):
+        return torch.ops.quantspec.bf16_gemv(x, buffers[0], out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantspec.bf16_gemv(x, self.packed, self.out_features)
@@ -229,9 +255,9 @@ class DensePack:
 
 def prepare(model: nn.Module) -> None:
     """Pack every layer's weight as it is now, before a compiled step traces the layers (it reads the packs), and
-    fuse the linears each module lists in ``FUSE`` (same input) into one ``bf16gemv`` call where all run it: their
-    packed weights concatenated (their rows in blocks of 16 are the same blocks, so each output is bitwise the
-    separate call's), each layer's pack then a view of it."""
+    fuse the linears each module lists in ``FUSE`` (same input) into one call where all have a ``gemv_part`` of one
+    ``fuse_key`` (``bf16gemv``, or ``int8gemv`` / ``int4gemv`` of one format): their buffers concatenated, each
+    layer's then a view of the fused one."""
     for module in model.modules():
         pack_ = getattr(module, "_pack", None)
         if isinstance(pack_, DensePack) and isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -239,19 +265,13 @@ def prepare(model: nn.Module) -> None:
     for module in model.modules():
         for names in getattr(module, "FUSE", ()):
             layers = [getattr(module, n) for n in names]
-            gemvs = [layer._pack.kernel.gemv if isinstance(layer, PackedLinear) and layer._pack.kernel else None
-                     for layer in layers]
+            parts = [getattr(layer, "gemv_part", None) for layer in layers]
             done = module.fused.get(names)
-            if done and all(g and g.packed.untyped_storage().data_ptr() == done.packed.untyped_storage().data_ptr()
-                            for g in gemvs):
+            if done and all(part and done.holds(part) for part in parts):
                 continue  # fused by an earlier step's prepare, weights unchanged since
             module.fused[names] = None
-            if all(gemvs) and len({layer.in_features for layer in layers}) == 1:
-                packed = torch.cat([g.packed for g in gemvs])
-                sizes = [g.out_features for g in gemvs]
-                for g, view in zip(gemvs, packed.split([n * layers[0].in_features for n in sizes])):
-                    g.packed = view
-                module.fused[names] = Fused(packed, sizes, [layer.bias for layer in layers])
+            if all(parts) and len({part.fuse_key for part in parts}) == 1:
+                module.fused[names] = Fused.of(parts, [layer.bias for layer in layers])
 
 
 def gemv_only(model: nn.Module) -> bool:
@@ -263,20 +283,40 @@ def gemv_only(model: nn.Module) -> bool:
 
 @dataclass
 class Fused:
-    """Linears of one input as one ``bf16gemv`` weight: output sizes, biases (None where a layer has none)."""
+    """Linears of one input as one call: the first layer's part (whose op runs), the concatenated buffers, output
+    sizes, biases (None where a layer has none)."""
 
-    packed: torch.Tensor
+    part: GemvPart
+    buffers: tuple[torch.Tensor, ...]
     sizes: list[int]
     biases: list[torch.Tensor | None]
+
+    @classmethod
+    def of(cls, parts: list[GemvPart], biases: list[torch.Tensor | None]) -> "Fused":
+        """The parts' buffers concatenated, each part's buffers then views of them (no second copy)."""
+        buffers = []
+        for name in parts[0].BUFFERS:
+            own = [getattr(part, name) for part in parts]
+            fused = torch.cat([t.reshape(-1) for t in own])
+            for part, view in zip(parts, fused.split([t.numel() for t in own])):
+                setattr(part, name, view.view(getattr(part, name).shape))
+            buffers.append(fused)
+        return cls(parts[0], tuple(buffers), [part.out_features for part in parts], biases)
+
+    def holds(self, part: GemvPart) -> bool:
+        """Whether ``part``'s first buffer is still a view of this fused one."""
+        return getattr(part, part.BUFFERS[0]).untyped_storage().data_ptr() == \
+            self.buffers[0].untyped_storage().data_ptr()
 
 
 def linears(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of ``module``'s linears ``names`` (one of its ``FUSE``) on ``x``: in a compiled step of up to
-    ``EXACT_ROWS`` rows one ``bf16gemv`` call where ``prepare`` fused them, else a call each."""
+    ``EXACT_ROWS`` bf16 rows one call where ``prepare`` fused them, else a call each."""
     fused = module.fused.get(names)
-    y = _compiled_gemv(x, fused.packed, sum(fused.sizes)) if fused else None
-    if y is None:
+    rows = x.reshape(-1, x.shape[-1])
+    if not fused or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
         return [getattr(module, n)(x) for n in names]
+    y = fused.part.product(rows, fused.buffers, sum(fused.sizes)).reshape(*x.shape[:-1], -1)
     return [out if bias is None else out + bias for out, bias in zip(y.split(fused.sizes, -1), fused.biases)]
 
 
@@ -299,6 +339,11 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._pack.linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
+
+    @property
+    def gemv_part(self) -> GemvPart | None:
+        """The ``bf16gemv`` product of the weight last packed (None: another kernel runs its decode rows)."""
+        return self._pack.kernel.gemv if self._pack.kernel else None
 
     @property
     def kernel_detail(self) -> str:

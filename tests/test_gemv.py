@@ -147,27 +147,36 @@ def test_not_used_under_the_avx2_override(monkeypatch):
 
 
 @RUNS
-def test_fused_linears_give_each_layers_own_rows(tiny_llama_dir):
-    """``prepare`` fuses q/k/v and gate/up into one ``bf16gemv`` call per module for compiled steps: each output is
-    bitwise the layer's own (the same 16-row blocks), biases added; the layers' packs become views of the fused
-    weight (no second copy). Negative control: the fused weight with two layers' blocks swapped gives other rows."""
+@pytest.mark.parametrize("scheme,kernel", [(None, packed_linear.GEMV), ("W8A16", "int8gemv"),
+                                           ("w4g32-sym", "int4gemv")])
+def test_fused_linears_give_each_layers_own_rows(tiny_llama_dir, scheme, kernel):
+    """``prepare`` fuses q/k/v and gate/up into one call per module for compiled steps (``bf16gemv``, or
+    ``int8gemv`` / ``int4gemv`` for quantized layers): each output is bitwise the layer's own (the same 16-row
+    blocks), biases added; the layers' buffers become views of the fused ones (no second copy). Negative control:
+    the fused weight with two layers' blocks swapped gives other rows."""
+    from quant.quantize import quantize_model
     from runtime.loading import load_model
 
     lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager")
-    if packed_linear.gemv_missing():
-        pytest.skip(f"bf16gemv not used here: {packed_linear.gemv_missing()}")
+    why = packed_linear.gemv_missing() if scheme is None else gemv_missing(kernel)
+    if why:
+        pytest.skip(f"{kernel} not used here: {why}")
+    if scheme:
+        quantize_model(lm, scheme, progress=False)
     attn = lm.model.layers[0].self_attn
     attn.k_proj.bias = torch.nn.Parameter(torch.randn(attn.k_proj.out_features).bfloat16())
     packed_linear.prepare(lm.model)
     names = attn.FUSE[0]
     fused = attn.fused[names]
-    assert fused is not None and attn.k_proj._pack.gemv_weight.untyped_storage().data_ptr() == \
-        fused.packed.untyped_storage().data_ptr()
+    parts = [getattr(attn, n).gemv_part for n in names]
+    assert fused is not None and all(fused.holds(part) for part in parts)
+    assert all(m.fused[m.FUSE[0]] is not None for m in (lm.model.layers[1].self_attn, lm.model.layers[1].mlp))
     x = heavy_rows(5, attn.q_proj.in_features)[None]
     with torch.no_grad():
         own = [getattr(attn, n)(x) for n in names]
         step = torch.compile(lambda v: packed_linear.linears(attn, names, v), fullgraph=True, dynamic=False)
         assert all(torch.equal(a, b) for a, b in zip(step(x), own))
-        q_size, k_size = (n * attn.q_proj.in_features for n in fused.sizes[:2])
-        fused.packed[:k_size] = fused.packed[q_size:q_size + k_size].clone()  # k's blocks where q's first ones were
+        q_size, k_size = (getattr(part, part.BUFFERS[0]).numel() for part in parts[:2])
+        weight = fused.buffers[0]
+        weight[:k_size] = weight[q_size:q_size + k_size].clone()  # k's blocks where q's first ones were
         assert not torch.equal(step(x)[0], own[0])
