@@ -99,25 +99,32 @@ void tile4(const Args& a, int64_t m0, int64_t b) {
   for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, acc[r]);
 }
 
-// int8: the same over per-channel int8 weights (one group: the whole row).
+// int8: the same over per-channel int8 weights (one group: the whole row). Four accumulators per row (column pairs
+// k = 0, 4, 8, ... and k = 2, 6, 10, ..., low and high nibbles): with two, one row waited on vdpbf16ps's latency
+// (one row took 1.07-1.22x as long on the default model's shapes, AMD EPYC Genoa); so at most six rows share a pass.
 template <int R>
 void tile8(const Args& a, int64_t m0, int64_t b) {
   const at::BFloat16* x = a.x + m0 * a.K;
   const uint8_t* block = a.w + b * a.block_bytes;
-  __m512 low[R], high[R];
-  for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < a.K; k += 2) {
-    __m512bh lo, hi;
-    nibbles(block + k * kRows, lo, hi);
+  __m512 low0[R], high0[R], low1[R], high1[R];
+  for (int r = 0; r < R; ++r) low0[r] = high0[r] = low1[r] = high1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < a.K; k += 4) {
+    __m512bh lo0, hi0, lo1, hi1;
+    nibbles(block + k * kRows, lo0, hi0);
+    nibbles(block + (k + 2) * kRows, lo1, hi1);
     for (int r = 0; r < R; ++r) {
-      low[r] = _mm512_dpbf16_ps(low[r], lo, pair(x + r * a.K + k));
-      high[r] = _mm512_dpbf16_ps(high[r], hi, pair(x + r * a.K + k));
+      const __m512bh x0 = pair(x + r * a.K + k), x1 = pair(x + r * a.K + k + 2);
+      low0[r] = _mm512_dpbf16_ps(low0[r], lo0, x0);
+      high0[r] = _mm512_dpbf16_ps(high0[r], hi0, x0);
+      low1[r] = _mm512_dpbf16_ps(low1[r], lo1, x1);
+      high1[r] = _mm512_dpbf16_ps(high1[r], hi1, x1);
     }
   }
   __m512 s = bf16_to_fp32(a.scales + b * kRows);
   for (int r = 0; r < R; ++r) {
-    __m512 v = _mm512_fmadd_ps(high[r], _mm512_set1_ps(16.0f), low[r]);
+    const __m512 high = _mm512_add_ps(high0[r], high1[r]), low = _mm512_add_ps(low0[r], low1[r]);
+    __m512 v = _mm512_fmadd_ps(high, _mm512_set1_ps(16.0f), low);
     v = _mm512_fmadd_ps(_mm512_set1_ps(-2304.0f), _mm512_set1_ps(a.sumx[m0 + r]), v);
     store(a.y + (m0 + r) * a.N + b * kRows, _mm512_mul_ps(v, s));
   }
@@ -144,20 +151,21 @@ void tile16(const Args& a, int64_t m0, int64_t b) {
 
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 constexpr int kMaxRows = 8;  // input rows per tile: a verification of up to 8 tokens unpacks each weight once
+constexpr int kMaxRows8 = 6;  // int8's: four accumulators a row, in 32 vector registers
 
 template <template <int> class Tile, int... R>
 TileFn for_rows(int64_t rows, std::integer_sequence<int, R...>) {
   TileFn fns[] = {Tile<R + 1>::run...};
-  return fns[std::min<int64_t>(rows, kMaxRows) - 1];
+  return fns[std::min<int64_t>(rows, sizeof...(R)) - 1];
 }
 
 template <int R> struct Int4 { static void run(const Args& a, int64_t m, int64_t b) { tile4<R>(a, m, b); } };
 template <int R> struct Bf16 { static void run(const Args& a, int64_t m, int64_t b) { tile16<R>(a, m, b); } };
 template <int R> struct Int8 { static void run(const Args& a, int64_t m, int64_t b) { tile8<R>(a, m, b); } };
 
-// Every block of 16 output rows for every input row, up to eight input rows per pass over a block's weights.
+// Every block of 16 output rows for every input row, up to MaxRows input rows per pass over a block's weights.
 // (On AMD EPYC Genoa one block at a time streamed faster than two or four interleaved.)
-template <template <int> class Tile>
+template <template <int> class Tile, int MaxRows = kMaxRows>
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloat16* scales, int64_t group_size,
                int64_t out_features, int64_t block_bytes, bool group_sums = true) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gemv: x must be 2-D bf16");
@@ -178,8 +186,8 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloa
                K, out_features, K / group_size, group_size, block_bytes};
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t m = 0; m < M; m += kMaxRows)
-        for_rows<Tile>(M - m, std::make_integer_sequence<int, kMaxRows>())(a, m, b);
+      for (int64_t m = 0; m < M; m += MaxRows)
+        for_rows<Tile>(M - m, std::make_integer_sequence<int, MaxRows>())(a, m, b);
   });
   return y;
 }
@@ -199,7 +207,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "int8_gemv: scales must be bf16");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "int8_gemv: K % 32");
-  return run<Int8>(x, packed, scales.data_ptr<at::BFloat16>(), K, scales.numel(), kRows * K);
+  return run<Int8, kMaxRows8>(x, packed, scales.data_ptr<at::BFloat16>(), K, scales.numel(), kRows * K);
 }
 
 }  // namespace
