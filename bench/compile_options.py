@@ -11,13 +11,15 @@ Options (``OPTIONS``):
                     (q/k/v and gate/up one call each), the weights left as graph inputs (nothing to prepack: one
                     cached graph for every model of the same shapes), inductor's Python wrapper
   unrolled          the product's step as one unrolled graph (every layer's code generated and built apart)
+  cpp-wrapper       the product's step with inductor's C++ wrapper (no Python between the kernels of a step):
+                    ``--compile max-autotune-cpp-wrapper``
   frozen            the same with the weights frozen into the graph
-  frozen-cpp-wrapper  frozen, with inductor's C++ wrapper (no Python between the kernels of a step)
+  frozen-cpp-wrapper  frozen, with inductor's C++ wrapper
   frozen-templates  no ``bf16gemv``: bf16 linears as ``F.linear`` frozen and prepacked by inductor, GEMMs chosen
                     among inductor's C++ templates only (``CPU_GEMM_BACKENDS``): the product's step before
                     ``bf16gemv``
-Every option but ``product`` is an alternative this bench measures, not a product setting: each worker process
-patches it in. Every option runs in its own processes with its own inductor cache directory.
+Every option but ``product`` and ``cpp-wrapper`` is an alternative this bench measures, not a product setting:
+each worker process patches it in. Every option runs in its own processes with its own inductor cache directory.
 
 Usage: flock /tmp/qs-bench.lock python bench/compile_options.py [--new-tokens 64] [--threads 2] [--options a,b]
                                                                  [--scheme w4g32-asym]
@@ -63,7 +65,6 @@ class Option:
     mode: str
     freezing: bool | None  # None: as the product decides (runtime.compiled.CompiledStep.freezing)
     bf16gemv: bool  # bf16 linears on quantspec's op (the product), or F.linear (inductor's GEMMs)
-    cpp_wrapper: bool = False
     regions: bool | None = None  # None: per-block regions where they build (the product); False: one unrolled graph
 
 
@@ -73,7 +74,9 @@ OPTIONS = {o.name: o for o in (
     Option("unrolled", "the product's step as one unrolled graph, no per-block regions (the product before them)",
            compiled.DEFAULT_MODE, None, True, regions=False),
     Option("frozen", "the product's step with the weights frozen into the graph", compiled.DEFAULT_MODE, True, True),
-    Option("frozen-cpp-wrapper", "frozen, with inductor's C++ wrapper", compiled.DEFAULT_MODE, True, True, True),
+    Option("cpp-wrapper", "the product's step with inductor's C++ wrapper (--compile max-autotune-cpp-wrapper)",
+           "max-autotune-cpp-wrapper", None, True),
+    Option("frozen-cpp-wrapper", "frozen, with inductor's C++ wrapper", "max-autotune-cpp-wrapper", True, True),
     Option("frozen-templates", "weights frozen and prepacked, bf16 linears as F.linear on inductor's C++ GEMM "
            "templates (the product before bf16gemv)", compiled.DEFAULT_MODE, True, False),
 )}
@@ -86,7 +89,6 @@ def patch(option: Option) -> None:
     def init(step, model, mode=compiled.DEFAULT_MODE):
         build(step, model, mode)
         step.freezing = option.freezing
-        step._config["cpp_wrapper"] = option.cpp_wrapper
         step.regions = option.regions
 
     compiled.CompiledStep.__init__ = init

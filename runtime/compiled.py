@@ -35,7 +35,11 @@ from runtime.hardware import quantspec_home
 from runtime.packed_linear import gemv_only, prepare
 from runtime.transformer import ATTENTION, Transformer
 
-MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # reduce-overhead: CUDA graphs on a GPU
+# quantspec's modes beyond inductor's own: (inductor's mode, config on top). The C++ wrapper calls a step's kernels
+# from C++, not Python: decode 1.15-1.3x faster on the default model, at about a minute's more build the first time
+# a machine builds a step of those shapes and 7-17 s more for each further model (bench/results/compile_options*)
+WRAPPED_MODES = {"max-autotune-cpp-wrapper": ("max-autotune-no-cudagraphs", {"cpp_wrapper": True})}
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", *WRAPPED_MODES)  # reduce-overhead: CUDA graphs
 # the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 CUDA_DEFAULT_MODE = "reduce-overhead"  # gpt-fast's: a batch-1 step is a few hundred kernel launches, one graph here
@@ -91,10 +95,16 @@ def resolve_compile(setting: str = "auto", device: str = "cpu") -> CompileChoice
     return CompileChoice(asked, None, f"fallback: {missing}") if missing else CompileChoice(asked, setting)
 
 
+def mode_options(mode: str) -> dict:
+    """Inductor's config for a mode in ``MODES``."""
+    base, extra = WRAPPED_MODES.get(mode, (mode, {}))
+    return {**torch._inductor.list_mode_options(base), **extra}
+
+
 def gemm_backends(mode: str | None, device: str = "cpu") -> str | None:
     """The GEMM candidates a step compiled in ``mode`` chooses among on ``device`` (None: inductor's default, or no
     choice made: no max-autotune, or eager)."""
-    if mode and torch._inductor.list_mode_options(mode).get("max_autotune") and device == "cpu":
+    if mode and mode_options(mode).get("max_autotune") and device == "cpu":
         return CPU_GEMM_BACKENDS
     return None
 
@@ -196,7 +206,7 @@ class CompiledStep:
         # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
         # emulate_precision_casts: a fused bf16 intermediate is rounded where eager rounds it, so whether inductor
         # fuses it (which differs between a one-token and a K+1-token graph) does not change a row's result
-        self._config = {**torch._inductor.list_mode_options(mode), "max_autotune_report_choices_stats": False,
+        self._config = {**mode_options(mode), "max_autotune_report_choices_stats": False,
                         "emulate_precision_casts": True}
         # weights frozen into the graph where inductor runs a linear itself (it prepacks them) and around quantized
         # ops (int4gemv / int8gemv steps ran 1.09-1.18x faster frozen, bench/results/compile_options-*-w*.json); left

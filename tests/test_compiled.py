@@ -488,6 +488,21 @@ def test_cli_accept_and_check_lossless_compile(tiny_llama_dir, one_thread, tmp_p
     assert record["results"]["rows"][0]["greedy_equal"] == 1
 
 
+def test_the_cpp_wrapper_mode_builds_a_cpp_wrapper_and_decodes_the_eager_tokens(tiny, monkeypatch):
+    """``max-autotune-cpp-wrapper``: max-autotune with inductor's C++ wrapper generating the step (fp32 greedy
+    tokens equal the eager step's). Negative control: the plain mode generates no C++ wrapper."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    made = []
+    create = CppWrapperCpu.create
+    monkeypatch.setattr(CppWrapperCpu, "create", staticmethod(lambda *a, **kw: made.append(1) or create(*a, **kw)))
+    _, eager = greedy(tiny, n=8)
+    decoder, tokens = greedy(tiny, "default", n=8)
+    assert not made
+    decoder, tokens = greedy(tiny, "max-autotune-cpp-wrapper", n=8)
+    assert made and decoder.step_label == "compiled (max-autotune-cpp-wrapper)" and tokens == eager
+
+
 # ---- --compile where speed is measured: the setting, and the native serving backend ----
 
 def test_compile_setting_resolves_auto_and_labels_what_runs(monkeypatch):
