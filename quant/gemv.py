@@ -111,9 +111,11 @@ class Int8GemvKernel(GemvKernel, Int8PackKernel):
 
     On AMD EPYC (AVX-512) it decoded the default model 1.23x faster than ``int8pack`` on the eager step. Under
     ``torch.compile`` inductor turns ``int8pack``'s op into its own C++ template on frozen weights, which ran 1.14x
-    ahead of this kernel, but such a step builds only as one unrolled graph that no cache keeps (60-130 s per
-    token count for every new set of weights), where this one builds in per-block regions in seconds
-    (``runtime.compiled``); ``kernel="int8pack"`` (``QuantizedLinear.use_kernel``) runs the template."""
+    ahead of this kernel before compiled steps fused its q/k/v and gate/up calls and it kept four accumulators a row
+    (1.04x after: bench/results/quant_decode_compiled.*.json), but such a step builds only as one unrolled graph
+    that no cache keeps (60-130 s per token count for every new set of weights), where this one builds in per-block
+    regions in seconds (``runtime.compiled``); ``kernel="int8pack"`` (``QuantizedLinear.use_kernel``) runs the
+    template."""
 
     name, priority, replaces, probe_scheme = "int8gemv", 11, Int8PackKernel, "w8ch-sym"
 

@@ -74,8 +74,9 @@ def compile_option(default: str):
     """``--compile``: the decode step speed is measured on (one meaning in every command that has it)."""
     return typer.Option(default, "--compile", help="Decode step: auto (compiled in inductor's max-autotune-no-"
                         "cudagraphs mode where it builds here, else eager, labelled; $QUANTSPEC_COMPILE sets what auto "
-                        "means), eager, default or max-autotune-no-cudagraphs. One-token and K+1-token verification "
-                        "steps compile once per process (reported apart as compile_s); prefill stays eager.")
+                        "means), eager, default, max-autotune-no-cudagraphs or max-autotune-cpp-wrapper (its C++ "
+                        "wrapper: faster steps, longer builds). One-token and K+1-token verification steps compile "
+                        "once per process (reported apart as compile_s); prefill stays eager.")
 
 
 def pick_model(positional: str | None, option: str | None) -> str:
