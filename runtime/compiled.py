@@ -36,8 +36,9 @@ from runtime.packed_linear import gemv_only, prepare
 from runtime.transformer import ATTENTION, Transformer
 
 # quantspec's modes beyond inductor's own: (inductor's mode, config on top). The C++ wrapper calls a step's kernels
-# from C++, not Python: decode 1.15-1.3x faster on the default model, at about a minute's more build the first time
-# a machine builds a step of those shapes and 7-17 s more for each further model (bench/results/compile_options*)
+# from C++, not Python: on the default model bf16 2.06x its eager step vs 1.90x, int8 2.58x vs 2.22x; but it builds
+# no per-block regions, so its steps build unrolled: 80-100 s more for a cold step, 8-15 s more for each further
+# model (bench/results/compile_options-product-cpp-wrapper*.json)
 WRAPPED_MODES = {"max-autotune-cpp-wrapper": ("max-autotune-no-cudagraphs", {"cpp_wrapper": True})}
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", *WRAPPED_MODES)  # reduce-overhead: CUDA graphs
 # the faster on the default model (bench/results/decode_compiled.*.json), at about 2.5x default's compile time
@@ -183,7 +184,7 @@ def step_guards(entries) -> list[bool]:
     """Which of dynamo's guards a compiled step checks on every call: those on its tensors that are not parameters
     (tokens, positions, KV caches: dtype, shape, strides), as ``torch.compiler.keep_tensor_guards_unsafe``. A step
     is built for one model as it is (``CompiledStep``), so the guards on its modules, parameters and constants
-    only cost time: checking them took 8-13% of a step (``bench/results/step_profile.*.json``, before this filter)."""
+    only cost time: checking them took 8-15% of a profiled step before this filter (docs/methodology.md)."""
     return torch.compiler.keep_tensor_guards_unsafe(entries)
 
 
