@@ -316,6 +316,23 @@ def render_step_attention(d: dict) -> str:
                   "build s (it / SDPA)", "first token differing from SDPA", "verification rows differing"], rows)
 
 
+@bench("cache_span.*.json", "What the compiled step's preallocated KV cache costs", "bench/cache_span.py",
+       "A compiled step attends over every position of its preallocated KV cache (masked: one graph for every "
+       "position). The bf16, int8 and int4 g32 compiled one-token steps of the default model on a cache sized to "
+       "the request (what the decode benches allocate) and on the cache `quantspec bench`, `search` and the demo "
+       "allocate (`--max-model-len`), paired per config in interleaved rounds; the KV bytes a step reads, and each "
+       "quantized step's speed over the bf16 step's at the same cache length.")
+def render_cache_span(d: dict) -> str:
+    rows = [[x["config"], f"{x['short_len']} / {x['long_len']}", num(x["short_tok_s"], 1), num(x["long_tok_s"], 1),
+             with_ci(x["short_over_long"], x["short_over_long_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else ""),
+             f"{x['short_over_bf16']:.2f}x", f"{x['long_over_bf16']:.2f}x",
+             f"{num(x['kv_mib_short'], 1)} / {num(x['kv_mib_long'], 1)}", "yes" if x["tokens_equal"] else "no"]
+            for x in d["results"]["rows"]]
+    return table(["config", "cache positions (request / serving)", "tok/s request-sized", "tok/s serving-sized",
+                  "request / serving [95% CI]", "vs bf16, request-sized", "vs bf16, serving-sized",
+                  "KV MiB a step reads", "same greedy tokens"], rows)
+
+
 @bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
        "The bf16 step as the product builds it (each transformer block one nested compile region, built once and "
