@@ -95,8 +95,7 @@ class Int4GemvKernel(GemvKernel, Int4PackKernel):
         return torch.ops.quantspec.int4_gemv(x, buffers[0], self.group_size, out_features)
 
     def forward(self, x):
-        y = torch.ops.quantspec.int4_gemv(x.to(FAST_DTYPE), self.weight, self.group_size, self.out_features)
-        return y.to(x.dtype)
+        return self.product(x.to(FAST_DTYPE), self.gemv_buffers(), self.out_features).to(x.dtype)
 
     def export(self):
         u, s, t = unpack4(self.weight, self.out_features, self.in_features, self.group_size)
@@ -138,7 +137,7 @@ class Int8GemvKernel(GemvKernel, Int8PackKernel):
         return torch.ops.quantspec.int8_gemv(x, *buffers)
 
     def forward(self, x):
-        return torch.ops.quantspec.int8_gemv(x.to(FAST_DTYPE), self.weight, self.scales).to(x.dtype)
+        return self.product(x.to(FAST_DTYPE), self.gemv_buffers(), self.out_features).to(x.dtype)
 
     def export(self):
         n, k = self.scales.numel(), self.in_features

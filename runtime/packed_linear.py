@@ -60,6 +60,10 @@ class GemvPart:
     def product(self, x: torch.Tensor, buffers: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def gemv_buffers(self) -> tuple[torch.Tensor, ...]:
+        """This part's own ``BUFFERS`` (what ``product`` runs on for this layer alone)."""
+        return tuple(getattr(self, name) for name in self.BUFFERS)
+
 
 class _Bf16Gemv(GemvPart):
     """``quantspec::bf16_gemv`` on one packed weight (``packed``: what compiled steps pass the op)."""
@@ -77,7 +81,7 @@ class _Bf16Gemv(GemvPart):
         return torch.ops.quantspec.bf16_gemv(x, buffers[0], out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantspec.bf16_gemv(x, self.packed, self.out_features)
+        return self.product(x, self.gemv_buffers(), self.out_features)
 
 
 @dataclass
@@ -313,18 +317,25 @@ def linears(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[
     """The outputs of ``module``'s linears ``names`` (one of its ``FUSE``) on ``x``: in a compiled step of up to
     ``EXACT_ROWS`` bf16 rows one call where ``prepare`` fused them, else a call each."""
     fused = module.fused.get(names)
-    rows = x.reshape(-1, x.shape[-1])
-    if not fused or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
+    rows = _compiled_rows(x) if fused else None
+    if rows is None:
         return [getattr(module, n)(x) for n in names]
     y = fused.part.product(rows, fused.buffers, sum(fused.sizes)).reshape(*x.shape[:-1], -1)
     return [out if bias is None else out + bias for out, bias in zip(y.split(fused.sizes, -1), fused.biases)]
 
 
-def _compiled_gemv(x: torch.Tensor, packed: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
-    """``bf16gemv``'s product of ``x`` and ``packed`` inside a compiled step of up to ``EXACT_ROWS`` bf16 rows;
-    None elsewhere (eager, no packed weight, wider or other-dtype inputs)."""
+def _compiled_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as [rows, in] inside a compiled step of up to ``EXACT_ROWS`` bf16 rows, where quantspec's ops run the
+    linears; None elsewhere (eager, wider or other-dtype inputs)."""
     rows = x.reshape(-1, x.shape[-1])
-    if packed is None or not torch.compiler.is_compiling() or rows.shape[0] > EXACT_ROWS or x.dtype != torch.bfloat16:
+    return rows if torch.compiler.is_compiling() and rows.shape[0] <= EXACT_ROWS and x.dtype == torch.bfloat16 else None
+
+
+def _compiled_gemv(x: torch.Tensor, packed: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """``bf16gemv``'s product of ``x`` and ``packed`` inside a compiled step (``_compiled_rows``); None elsewhere
+    or without a packed weight."""
+    rows = _compiled_rows(x) if packed is not None else None
+    if rows is None:
         return None
     return torch.ops.quantspec.bf16_gemv(rows, packed, out_features).reshape(*x.shape[:-1], out_features)
 

@@ -107,8 +107,8 @@ def predictions(stats: AcceptanceStats, c: float, verify_cost: list[float], padd
     rows, ``SpeculativeDecoder.width``). Both use β, the per-token acceptance probability."""
     hist = draft_length_histogram(stats)
     tokens = sum(p * expected_tokens(stats.beta, n) for n, p in enumerate(hist))
-    rows = [stats.k if padded and n else n for n in range(len(hist))]
-    cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[rows[n]] for n, p in enumerate(hist))
+    cost = stats.draft_tokens / stats.steps * c + sum(p * verify_cost[stats.k if padded and n else n]
+                                                      for n, p in enumerate(hist))
     return Predictions(walltime_speedup(stats.beta, stats.k, c), tokens / cost,
                        refined_speedup(stats.beta, stats.k, c, verify_cost[stats.k]), hist)
 
