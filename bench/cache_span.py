@@ -20,6 +20,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
 from quant.quantize import quantize_model
 from runtime.argtypes import positive_int
 from runtime.compiled import DEFAULT_MODE, step_attention
+from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import kernels_used, probe
 from runtime.loading import load_model, set_threads
@@ -43,6 +44,9 @@ def run(model: str, max_model_len: int, new_tokens: int) -> RunRecord:
             quantize_model(lm, scheme, progress=False)
         ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
         short = len(ids) + new_tokens + 8
+        if max_model_len <= short:
+            raise UserError(f"--max-model-len {max_model_len} must exceed the request-sized cache ({short} positions: "
+                            f"prompt {len(ids)} + --new-tokens {new_tokens} + 8)")
         decoders = {n: Decoder(lm, n, compile_mode=DEFAULT_MODE) for n in (short, max_model_len)}
         tokens = {n: d.generate(ids, new_tokens, ignore_eos=True).tokens for n, d in decoders.items()}  # builds
         paired = paired_ratio(decoder_block(decoders[max_model_len], ids, new_tokens),
@@ -101,7 +105,10 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=positive_int, default=None)
     args = parser.parse_args()
     set_threads(args.threads)
-    record = run(args.model, args.max_model_len, args.new_tokens)
+    try:
+        record = run(args.model, args.max_model_len, args.new_tokens)
+    except UserError as exc:
+        parser.error(str(exc))
     print_table(record)
     out = record.write(Path(__file__).parent / "results" / f"cache_span.{probe().tag}.json")
     print(f"wrote {out}")
