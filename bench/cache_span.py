@@ -1,9 +1,10 @@
-"""What the compiled step's preallocated KV cache costs: bf16, int8 and int4 g32 compiled one-token steps of the
-default model on a cache sized to the request (prompt + output + 8, what the decode benches allocate) and on the
-cache ``quantspec bench`` / ``search`` / the demo allocate (``--max-model-len``, 1024 by default). A compiled step
-attends over every cache position (masked: one graph for every position), so the longer cache is read whole at
-every step; each config's two decoders alternate in paired, interleaved rounds (ratio with its 95% CI), beside the
-KV bytes a step reads, and each quantized step's tok/s over the bf16 step's at the same cache length.
+"""What reading the whole preallocated KV cache costs a compiled step: bf16, int8 and int4 g32 compiled one-token
+steps of the default model on a cache of ``--max-model-len`` positions (1024, what ``quantspec bench`` / ``search`` /
+the demo allocate), reading the span its request reserves (``Decoder.reserve``: prompt + output rounded up to
+``runtime.compiled.SPAN_BLOCK``, what the product runs) vs the whole cache (what every compiled step read before
+spans). A step attends over its span masked (one graph per span); each config's two spans alternate on one decoder
+in paired, interleaved rounds (ratio with its 95% CI), beside the KV bytes a step reads, and each quantized step's
+tok/s over the bf16 step's at the same span.
 
 Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/cache_span.py [--max-model-len 1024] [--new-tokens 128]
 Writes bench/results/cache_span.<machine tag>.json.
@@ -19,7 +20,7 @@ from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, M
                           RunRecord, hardware_info)
 from quant.quantize import quantize_model
 from runtime.argtypes import positive_int
-from runtime.compiled import DEFAULT_MODE, step_attention
+from runtime.compiled import DEFAULT_MODE, SPAN_BLOCK, cache_span, step_attention
 from runtime.errors import UserError
 from runtime.generate import Decoder, encode_prompt
 from runtime.hardware import kernels_used, probe
@@ -43,23 +44,24 @@ def run(model: str, max_model_len: int, new_tokens: int) -> RunRecord:
         if scheme:
             quantize_model(lm, scheme, progress=False)
         ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
-        short = len(ids) + new_tokens + 8
-        if max_model_len <= short:
-            raise UserError(f"--max-model-len {max_model_len} must exceed the request-sized cache ({short} positions: "
-                            f"prompt {len(ids)} + --new-tokens {new_tokens} + 8)")
-        decoders = {n: Decoder(lm, n, compile_mode=DEFAULT_MODE) for n in (short, max_model_len)}
-        tokens = {n: d.generate(ids, new_tokens, ignore_eos=True).tokens for n, d in decoders.items()}  # builds
-        paired = paired_ratio(decoder_block(decoders[max_model_len], ids, new_tokens),
-                              decoder_block(decoders[short], ids, new_tokens), 1, SpeedProtocol(),
-                              "one greedy generation")
+        decoder = Decoder(lm, max_model_len, compile_mode=DEFAULT_MODE)
+        spans = {"short": cache_span(len(ids) + new_tokens, max_model_len), "long": max_model_len}
+        if spans["short"] == max_model_len:
+            raise UserError(f"--max-model-len {max_model_len} must exceed the request's span ({spans['short']} "
+                            f"positions: prompt {len(ids)} + --new-tokens {new_tokens}, rounded up to {SPAN_BLOCK})")
+        reserved = {"short": None, "long": max_model_len}
+        tokens = {length: decoder.generate(ids, new_tokens, ignore_eos=True, positions=reserved[length]).tokens
+                  for length in spans}  # builds each span's step
+        paired = paired_ratio(decoder_block(decoder, ids, new_tokens, max_model_len),
+                              decoder_block(decoder, ids, new_tokens), 1, SpeedProtocol(), "one greedy generation")
         rows.append({"config": label, "scheme": scheme or "none", "kernels_run": kernels_used(lm.model),
-                     "step": decoders[short].step_label, "attention": step_attention(lm.model),
-                     "short_len": short, "long_len": max_model_len, "short_tok_s": paired.candidate.value,
+                     "step": decoder.step_label, "attention": step_attention(lm.model),
+                     "short_len": spans["short"], "long_len": max_model_len, "short_tok_s": paired.candidate.value,
                      "long_tok_s": paired.reference.value, "short_over_long": paired.ratio.value,
                      "short_over_long_ci": list(paired.ratio.ci), "noisy": paired.noisy, "rounds": paired.rounds,
-                     "kv_mib_short": kv_bytes(lm, short) / 2**20, "kv_mib_long": kv_bytes(lm, max_model_len) / 2**20,
-                     "tokens_equal": tokens[short] == tokens[max_model_len],
-                     "compile_s": {str(n): d.compile_s for n, d in decoders.items()}, "paired": paired.to_dict()})
+                     "kv_mib_short": kv_bytes(lm, spans["short"]) / 2**20,
+                     "kv_mib_long": kv_bytes(lm, max_model_len) / 2**20, "tokens_equal": tokens["short"] == tokens["long"],
+                     "compile_s": decoder.compile_s, "paired": paired.to_dict()})
     for row in rows:
         for length in ("short", "long"):
             row[f"{length}_over_bf16"] = row[f"{length}_tok_s"] / rows[0][f"{length}_tok_s"]
@@ -71,22 +73,23 @@ def run(model: str, max_model_len: int, new_tokens: int) -> RunRecord:
         lengths=LengthDistribution(1, {"fixed": len(ids)}, {"fixed": new_tokens}, f"one chat prompt: {DEFAULT_PROMPT!r}",
                                    True),
         arrival=ArrivalProcess("batch-1 sequential", 1),
-        engine=EngineCondition("native", {"compile_mode": DEFAULT_MODE, "max_model_len": max_model_len},
-                               warmup="one generation per decoder (builds its step), excluded",
+        engine=EngineCondition("native", {"compile_mode": DEFAULT_MODE, "max_model_len": max_model_len,
+                                          "span_block": SPAN_BLOCK},
+                               warmup="one generation per span (builds its step), excluded",
                                cache_warmth="KV cache reset per request; weights resident"),
         metric=MetricCondition({"short_over_long": "paired, interleaved ratio of decode tok/s (prefill excluded), "
-                                                   "the request-sized cache over the long one; CI: 95% t-interval "
+                                                   "the request's span over the whole cache; CI: 95% t-interval "
                                                    "of the mean log ratio",
                                 "x_over_bf16": "a row's tok/s over the bf16 row's at the same cache length "
                                                "(separate pairings, no CI)"},
-                               "greedy, ignore_eos, fixed output length; tokens_equal: the two caches' outputs"),
+                               "greedy, ignore_eos, fixed output length; tokens_equal: the two spans' outputs"),
         results={"rows": rows},
     )
 
 
 def print_table(record: RunRecord) -> None:
-    table = Table(title="compiled one-token step: request-sized cache vs the serving default")
-    for col in ("config", "cache (short / long)", "tok/s short", "tok/s long", "short / long", "vs bf16 short",
+    table = Table(title="compiled one-token step: the request's span vs the whole serving cache")
+    for col in ("config", "span (request / whole)", "tok/s short", "tok/s long", "short / long", "vs bf16 short",
                 "vs bf16 long", "KV MiB a step", "tokens equal"):
         table.add_column(col, justify="right")
     for r in record.results["rows"]:

@@ -299,7 +299,7 @@ def render_gemv(d: dict) -> str:
 
 @bench("step_attention.*.json", "Attention inside the compiled step: SDPA, eager, fused reduce",
        "bench/step_attention.py",
-       "A compiled step reads every position of its preallocated KV cache (one graph for every position). The bf16 "
+       "Each step here reads every position of its preallocated KV cache (a span of the whole cache). The bf16 "
        "one-token step of the default model with torch's SDPA kernel (the step's attention for SDPA models before "
        "this record), with the batch-invariant `eager` attention (what the native serving backend loads, for exact "
        "bf16 speculation) and with `reduce_attention` (fp32 multiply-reduce over head dim and keys, fused by "
@@ -316,20 +316,22 @@ def render_step_attention(d: dict) -> str:
                   "build s (it / SDPA)", "first token differing from SDPA", "verification rows differing"], rows)
 
 
-@bench("cache_span.*.json", "What the compiled step's preallocated KV cache costs", "bench/cache_span.py",
-       "A compiled step attends over every position of its preallocated KV cache (masked: one graph for every "
-       "position). The bf16, int8 and int4 g32 compiled one-token steps of the default model on a cache sized to "
-       "the request (what the decode benches allocate) and on the cache `quantspec bench`, `search` and the demo "
-       "allocate (`--max-model-len`), paired per config in interleaved rounds; the KV bytes a step reads, and each "
-       "quantized step's speed over the bf16 step's at the same cache length.")
+@bench("cache_span.*.json", "What reading the whole KV cache costs a compiled step", "bench/cache_span.py",
+       "A compiled step attends over a span of its preallocated KV cache (masked: one graph per span). The product's "
+       "steps read the span a request reserves (prompt + output rounded up to `runtime.compiled.SPAN_BLOCK` positions); "
+       "before spans they read "
+       "the whole cache `quantspec bench`, `search` and the demo allocate (`--max-model-len`). The bf16, int8 and "
+       "int4 g32 compiled one-token steps of the default model over both, paired per config in interleaved rounds on "
+       "one decoder; the KV bytes a step reads, and each quantized step's speed over the bf16 step's at the same "
+       "span.")
 def render_cache_span(d: dict) -> str:
     rows = [[x["config"], f"{x['short_len']} / {x['long_len']}", num(x["short_tok_s"], 1), num(x["long_tok_s"], 1),
              with_ci(x["short_over_long"], x["short_over_long_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else ""),
              f"{x['short_over_bf16']:.2f}x", f"{x['long_over_bf16']:.2f}x",
              f"{num(x['kv_mib_short'], 1)} / {num(x['kv_mib_long'], 1)}", "yes" if x["tokens_equal"] else "no"]
             for x in d["results"]["rows"]]
-    return table(["config", "cache positions (request / serving)", "tok/s request-sized", "tok/s serving-sized",
-                  "request / serving [95% CI]", "vs bf16, request-sized", "vs bf16, serving-sized",
+    return table(["config", "positions read (request's span / whole cache)", "tok/s request's span",
+                  "tok/s whole cache", "span / whole [95% CI]", "vs bf16, span", "vs bf16, whole cache",
                   "KV MiB a step reads", "same greedy tokens"], rows)
 
 

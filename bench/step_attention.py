@@ -1,9 +1,9 @@
 """Which attention a compiled decode step should run on CPU: the compiled bf16 one-token step of the default model
 with SDPA (torch's flash kernel, the step's attention before this bench), with the batch-invariant ``eager``
 attention (what the native serving backend loads, for exact bf16 speculation) and with ``reduce_attention`` (fp32
-multiply-reduce that inductor fuses: the product's for SDPA models since), over KV caches of two lengths. A compiled step reads
-every cache position (one graph for every position), so the cache length, not the tokens written, sets its
-attention cost: the short cache is what ``bench/quant_decode.py`` allocates (prompt + output + 8), the long one is
+multiply-reduce that inductor fuses: the product's for SDPA models since), over KV caches of two lengths, each
+read whole (``generate(positions=...)``: the step's span is the cache), so the cache length, not the tokens
+written, sets its attention cost: the short cache is what ``bench/quant_decode.py`` allocates (prompt + output + 8), the long one is
 ``quantspec bench``'s default ``--max-model-len``. Per length the three steps stay resident and each of eager and
 reduce alternates with SDPA in paired rounds of one greedy generation each; over the short cache each one's
 5-token verification step is probed against its one-token step (rows differing bitwise).
@@ -45,7 +45,7 @@ def step(model: str, attention: str, max_len: int, prompt_ids: list[int]) -> Dec
     """A compiled bf16 decoder whose steps attend with ``attention``, built in an excluded warm-up."""
     lm = load_model(model, "bf16", attn_implementation=ATTENTIONS[attention])
     decoder = Decoder(lm, max_len, compile_mode=compiled.DEFAULT_MODE)
-    decoder.generate(prompt_ids, 8, ignore_eos=True)
+    decoder.generate(prompt_ids, 8, ignore_eos=True, positions=max_len)
     assert compiled.step_attention(lm.model) == {"sdpa": "sdpa-in-step"}.get(attention, attention)
     return decoder
 
@@ -63,8 +63,8 @@ def run(model: str, new_tokens: int, long: int) -> RunRecord:
     short = len(prompt_ids) + new_tokens + 8
     for max_len in (short, long):
         steps = {a: step(model, a, max_len, prompt_ids) for a in ATTENTIONS}
-        blocks = {a: decoder_block(d, prompt_ids, new_tokens) for a, d in steps.items()}
-        tokens = {a: d.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True).tokens
+        blocks = {a: decoder_block(d, prompt_ids, new_tokens, max_len) for a, d in steps.items()}
+        tokens = {a: d.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True, positions=max_len).tokens
                   for a, d in steps.items()}
         for attention in ("eager", "reduce"):
             paired = paired_ratio(blocks["sdpa"], blocks[attention], 1, SpeedProtocol(), "one greedy generation")

@@ -69,10 +69,11 @@ def native_block(lm: LoadedModel, prompt_ids: list[int], new_tokens: int):
     return decoder_block(Decoder(lm, max_len=len(prompt_ids) + new_tokens + 8), prompt_ids, new_tokens)
 
 
-def decoder_block(decoder: Decoder, prompt_ids: list[int], new_tokens: int):
-    """``native_block`` on a given decoder (e.g. a compiled one)."""
+def decoder_block(decoder: Decoder, prompt_ids: list[int], new_tokens: int, positions: int | None = None):
+    """``native_block`` on a given decoder (e.g. a compiled one); ``positions``: what each request reserves
+    (``Decoder.generate``)."""
     def block(_unit: int) -> Sample:
-        r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True)
+        r = decoder.generate(prompt_ids, new_tokens, SamplingConfig(), ignore_eos=True, positions=positions)
         return Sample(len(r.tokens) - 1, r.decode_s)
 
     return block

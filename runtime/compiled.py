@@ -1,8 +1,10 @@
 """Compiled decode steps, in the manner of gpt-fast.
 
-A step takes n tokens and their positions as a tensor and attends over the whole preallocated KV cache, with a
-mask hiding positions not yet written, so its shapes depend on n only and one ``torch.compile`` graph serves every
-position (inductor's C++ backend on CPU; each transformer block a nested compile region, built once and called for
+A step takes n tokens and their positions as a tensor and attends over the first ``span`` positions of the
+preallocated KV cache, with a mask hiding positions not yet written, so its shapes depend on n and the span only and
+one ``torch.compile`` graph serves every position of a span: a ``Decoder`` sizes the span to each request
+(``cache_span``: its positions rounded up to ``SPAN_BLOCK``, as llama.cpp pads its KV view), where reading the whole
+cache cost 1.56-1.81x in speed (bench/results/cache_span.*.json); one graph per span (inductor's C++ backend on CPU; each transformer block a nested compile region, built once and called for
 every layer, where it builds; bf16 linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v
 and gate/up as one call each, int4/int8 ones ``int4gemv`` / ``int8gemv``; where another linear runs, the weights are
 frozen into the graph (prepacked by inductor where it runs the product); on
@@ -51,6 +53,13 @@ COMPILE_ENV = "QUANTSPEC_COMPILE"  # what ``auto`` means on this machine, e.g. e
 # rows differ (bench/results/compile_options.*.json); inductor's linear lowerings add ATen's kernel where no template
 # fits, and a build that fails anyway runs the eager step, labelled
 CPU_GEMM_BACKENDS = "CPP"
+SPAN_BLOCK = 256  # a request's cache span is its positions rounded up to this: few graphs, little attention wasted
+
+
+def cache_span(positions: int, max_len: int) -> int:
+    """Keys the compiled steps of a request of ``positions`` positions read: ``positions`` rounded up to
+    ``SPAN_BLOCK``, at most the cache's ``max_len``."""
+    return min(-(-positions // SPAN_BLOCK) * SPAN_BLOCK, max_len)
 
 
 @dataclass(frozen=True)
@@ -128,9 +137,9 @@ def quiet_autotune():
 
 
 def reduce_attention(q, k, v, mask):
-    """Attention of a few queries over the whole cache as fp32 multiply-reduce over head dim and keys, which
+    """Attention of a few queries over a step's span as fp32 multiply-reduce over head dim and keys, which
     inductor fuses into a loop nest per head group: on CPU several times faster than SDPA's flash kernel over a
-    preallocated cache (bench/results/quant_decode_compiled.*.json), since a compiled step reads every position.
+    preallocated cache (bench/results/quant_decode_compiled.*.json), since a compiled step reads its whole span.
     Only for compiled steps: eager, it would materialise a [queries, keys, head_dim] product."""
     bsz, n_heads, seqlen, head_dim = q.shape
     n_kv, group = k.shape[1], n_heads // k.shape[1]
@@ -167,17 +176,18 @@ def per_block(layer, x, cos, sin, input_pos, mask, length, attention):
                  else attention)
 
 
-def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor,
+def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, span: int,
                 block=per_block, traced_once: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
-    reading every cache position (masked, causal within the n tokens) with ``step_attention``; each layer through
+    reading the first ``span`` cache positions (masked, causal within the n tokens) with ``step_attention``; each
+    layer through
     ``block`` (None: one unrolled graph). ``traced_once``: the block gets its attention by name, so dynamo traces
     one block for all (False: by function, every block traced: what frozen weights need, which are graph
     attributes that torch 2.13's subgraph reuse cannot map back, "Freevar has no source")."""
-    mask = torch.arange(model.max_len, device=tokens.device)[None, :] <= input_pos[:, None]
+    mask = torch.arange(span, device=tokens.device)[None, :] <= input_pos[:, None]
     name = step_attention(model)
     attention = name if block and traced_once else attention_fn(name)
-    return model.run(tokens, input_pos, mask, model.max_len, attend=attention, block=block)
+    return model.run(tokens, input_pos, mask, span, attend=attention, block=block)
 
 
 def step_guards(entries) -> list[bool]:
@@ -189,10 +199,11 @@ def step_guards(entries) -> list[bool]:
 
 
 class CompiledStep:
-    """``step(tokens, input_pos)``: the model's forward of a fixed number of tokens (one step per token count:
-    ``dynamic=False``, so another count would be another graph), returning (logits, hidden) like
-    ``model(..., return_hidden=True)``, compiled on the first call from the weights as they are then (frozen into
-    the graph, or the packs ``prepare`` made: build a new step after editing them). A model whose step does not
+    """``step(tokens, input_pos, span)``: the model's forward of a fixed number of tokens (one step per token count:
+    ``dynamic=False``, so another count would be another graph) over the first ``span`` cache positions (one graph
+    per span, built on its first call), returning (logits, hidden) like ``model(..., return_hidden=True)``, compiled
+    on the first call from the weights as they are then (frozen into the graph, or the packs ``prepare`` made: build
+    a new step after editing them). A model whose step does not
     compile to one graph (e.g. a quantized KV cache, which slices at the position's value) runs its eager forward
     instead, and ``fallback`` says why (printed once)."""
 
@@ -201,7 +212,7 @@ class CompiledStep:
             raise ValueError(f"unknown compile mode {mode!r}: use one of {', '.join(MODES)}")
         self.model, self.mode = model, mode
         self.fallback: str | None = None
-        self.compile_s: float | None = None  # the first call: tracing, lowering and building (one-time)
+        self.compile_s: float | None = None  # each span's first call: tracing, lowering and building (one-time)
         use_cache_dir()
         # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
         # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
@@ -218,29 +229,39 @@ class CompiledStep:
         backends = gemm_backends(mode, model.embed_tokens.weight.device.type)
         if backends:
             self._config["max_autotune_gemm_backends"] = backends
-        self._compiled = self._compile()
+        self._compiled: dict = {}  # span -> ``_compile()``'s function
         # CUDA graphs replay into the same output buffers: a caller holding one step's logits past the next step's
         # (the verification probe does) needs its own copy
         self._copy_out = bool(self._config.get("triton.cudagraphs"))
 
-    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, span: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``span``: the cache positions read (None: the whole cache); every token's position must be below it."""
         if self.fallback is None:
-            start = time.perf_counter()
-            if self.compile_s is None:
+            span = span or self.model.max_len
+            start, new = time.perf_counter(), span not in self._compiled
+            if not self._compiled:
                 prepare(self.model)  # the weights' packs, which the graph reads (bf16gemv's layout)
                 self.freezing = not gemv_only(self.model) if self.freezing is None else self.freezing
                 self._config["freezing"] = self.freezing
+            if new:
+                self._compiled[span] = self._compile()
             try:
                 with torch._inductor.config.patch(self._config), quiet_autotune():
-                    out = self._build(tokens, input_pos)
+                    out = self._build(tokens, input_pos, span)
                 return tuple(t.clone() for t in out) if self._copy_out else out
             except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")
             finally:
-                if self.compile_s is None:
-                    self.compile_s = time.perf_counter() - start
+                if new:
+                    self.compile_s = (self.compile_s or 0.0) + time.perf_counter() - start
         return self.model(tokens, input_pos, return_hidden=True)
+
+    @property
+    def spans(self) -> list[int]:
+        """The spans built so far."""
+        return sorted(self._compiled)
 
     @staticmethod
     def _compile():
@@ -252,19 +273,20 @@ class CompiledStep:
                                  static_step.__defaults__)
         return torch.compile(own, fullgraph=True, dynamic=False, options={"guard_filter_fn": step_guards})
 
-    def _build(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _build(self, tokens: torch.Tensor, input_pos: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step's outputs, per-block regions tried first. Some kernels do not build or run inside a
         region, where the weights are the region's inputs, not frozen constants (in max-autotune, fp32's and
         int8pack's linears have no GEMM template left to choose; int4pack's op fails on its first call): such a step
         builds as one unrolled graph (``regions`` says which ran; the retry rewrites the same cache positions)."""
         if self.regions is not False:
             try:
-                out = self._compiled(self.model, tokens, input_pos, per_block, not self.freezing)
+                out = self._compiled[span](self.model, tokens, input_pos, span, per_block, not self.freezing)
                 self.regions = True
                 return out
             except (TorchDynamoException, RuntimeError):
                 if self.regions:  # built and ran before: not the region's build
                     raise
                 self.regions = False
-                self._compiled = self._compile()  # a graph built before its first run failed: no guard tells them apart
-        return self._compiled(self.model, tokens, input_pos, None)
+                self._compiled[span] = self._compile()  # a graph built before its first run failed: no guard tells
+                # them apart
+        return self._compiled[span](self.model, tokens, input_pos, span, None)

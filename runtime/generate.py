@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.compiled import CompiledStep
+from runtime.compiled import CompiledStep, cache_span
 from runtime.errors import UserError
 from runtime.hardware import sync
 from runtime.loading import LoadedModel
@@ -62,7 +62,8 @@ class Decoder:
     """Owns a KV cache of its model and a position (several decoders of one model keep theirs apart: each puts its
     own back before it runs); ``rollback`` truncates to an earlier position. ``compile_mode`` (a
     name in ``runtime.compiled.MODES``) runs one-token forwards, and those ``forward(..., compiled=True)`` asks for,
-    through compiled steps (one per token count, in ``steps``); None keeps them eager."""
+    through compiled steps (one per token count, in ``steps``), which read the first ``span`` cache positions
+    (``reserve``; one graph per span); None keeps them eager."""
 
     def __init__(self, lm: LoadedModel, max_len: int = 2048, cache_factory=None, compile_mode: str | None = None):
         self.lm = lm
@@ -74,6 +75,7 @@ class Decoder:
         self.model.setup_cache(1, self.max_len, cache_factory)
         self.cache = self.model.cache_state()  # this decoder's own, put back where another decoder replaced it
         self.compile_mode = compile_mode
+        self.span = self.max_len  # cache positions the compiled steps read (``reserve``)
         self.fallback: str | None = None  # why decoding went back to the eager step (``fall_back``)
         self.steps: dict[int, CompiledStep] = {1: CompiledStep(self.model, compile_mode)} if compile_mode else {}
         self.hidden: torch.Tensor | None = None  # [max_len, dim] final hidden state per position, once keep_hidden()
@@ -126,6 +128,11 @@ class Decoder:
     def reset(self) -> None:
         self.pos = 0
 
+    def reserve(self, positions: int) -> None:
+        """The coming request fills at most ``positions`` positions: compiled steps read those, rounded up
+        (``runtime.compiled.cache_span``), not the whole cache. A token past them widens the span."""
+        self.span = cache_span(positions, self.max_len)
+
     def rollback(self, pos: int) -> None:
         """Forget everything at positions >= pos (stale cache entries are overwritten before being read)."""
         if not 0 <= pos <= self.pos:
@@ -134,9 +141,10 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int] | torch.Tensor, n_layers: int | None = None,
-                compiled: bool = False) -> torch.Tensor:
+                compiled: bool = False, padding: int = 0) -> torch.Tensor:
         """Append ``tokens`` at the current position; returns logits [len(tokens), vocab]. With ``compile_mode``, one
-        token, or any count when ``compiled``, runs through the compiled step for that count (built on first use)."""
+        token, or any count when ``compiled``, runs through the compiled step for that count (built on first use).
+        ``padding``: that many trailing tokens are filler whose logits are dropped: they may lie past the span."""
         device = self.lm.device
         if not self.model.holds(self.cache):
             self.model.restore_cache(self.cache)
@@ -150,7 +158,9 @@ class Decoder:
                 self.steps[n] = CompiledStep(self.model, self.compile_mode)
                 if self.steps[1].regions is False:  # the one-token step's kernels did not build in a region
                     self.steps[n].regions = False
-            logits, hidden = self.steps[n](ids, input_pos)
+            if self.pos + n - padding > self.span:
+                self.reserve(self.pos + n - padding)
+            logits, hidden = self.steps[n](ids, input_pos, self.span)
         else:
             logits, hidden = self.model(ids, input_pos, n_layers=n_layers, return_hidden=True,
                                         aux_layers=self.aux_layers)
@@ -160,11 +170,14 @@ class Decoder:
         return logits[0]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, positions: int | None = None) -> GenerationResult:
+        """``positions``: what the request reserves (``reserve``; default prompt + max_new_tokens): a warm-up run
+        builds the steps of longer requests with it."""
         if max_new_tokens < 1:
             raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
         gen = sampling.generator(self.lm.device)
         self.reset()
+        self.reserve(positions or len(prompt_ids) + max_new_tokens)
         sync(self.lm.device)
         t0 = time.perf_counter()
         logits = self.forward(prompt_ids)[-1]

@@ -75,7 +75,7 @@ def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backe
     try:
         requests, source = build_requests(workload, backend.tokenizer(), num_prompts, output_len, ignore_eos,
                                           data_dir, seed)
-        warmup = warm_up(backend, load.kind)
+        warmup = "; ".join(filter(None, (warm_up(backend, load.kind), backend.prepare(requests))))
         try:
             before = backend.spec_counters(load.kind)
             if load.kind == "closed":

@@ -37,13 +37,14 @@ def check_bf16_exact(target: LoadedModel) -> None:
                         "fp32 (--dtype fp32), or on a CPU with oneDNN bf16 prepacking (AVX-512)")
 
 
-def compiled_rows_differing(decoder: Decoder, tokens: list[int]) -> tuple[torch.Tensor, int]:
+def compiled_rows_differing(decoder: Decoder, tokens: list[int], padding: int = 0) -> tuple[torch.Tensor, int]:
     """Logits of ``tokens`` through the decoder's compiled len(tokens)-token step, and how many of their rows
-    differ bitwise from the compiled one-token steps' logits at the same positions (run first, then rolled back)."""
-    start = decoder.pos
-    rows = torch.cat([decoder.forward([token]) for token in tokens])
+    differ bitwise from the compiled one-token steps' logits at the same positions (run first, then rolled back).
+    ``padding``: trailing filler tokens (``Decoder.forward``), probed too."""
+    start, n = decoder.pos, len(tokens)
+    rows = torch.cat([decoder.forward([token], padding=int(i >= n - padding)) for i, token in enumerate(tokens)])
     decoder.rollback(start)
-    logits = decoder.forward(tokens, compiled=True)
+    logits = decoder.forward(tokens, compiled=True, padding=padding)
     return logits, int((logits != rows).any(-1).sum())
 
 
@@ -65,7 +66,9 @@ class SpeculativeDecoder:
         self.k = check_k(k)
         self.sampling = sampling
         self.decoder = Decoder(target, max_len, compile_mode=compile_mode)
-        self.differing: dict[int, int] = {}  # compiled verification width -> rows differing from one-token steps
+        self.differing: dict[tuple[int, int], int] = {}  # (compiled verification width, span) -> rows differing
+        # from the one-token steps'
+
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
         self.proposer.attach(self.decoder)
 
@@ -77,7 +80,7 @@ class SpeculativeDecoder:
 
     def verify_logits(self, tokens: list[int]) -> torch.Tensor:
         """The target's logits for ``tokens`` (the last context token and the draft) in one forward. Compiled, a
-        draft runs padded to ``width`` rows, and the first call of each width is probed
+        draft runs padded to ``width`` rows, and the first call of each width and span is probed
         (``compiled_rows_differing``): greedy speculation is refused where a row differs, since its output could
         then differ from plain compiled decoding."""
         decoder, n = self.decoder, len(tokens)
@@ -85,10 +88,10 @@ class SpeculativeDecoder:
             return decoder.forward(tokens)
         width = self.width(n)
         tokens = [*tokens, *tokens[-1:] * (width - n)]
-        if width in self.differing:
-            logits = decoder.forward(tokens, compiled=True)
+        if (width, decoder.span) in self.differing:
+            logits = decoder.forward(tokens, compiled=True, padding=width - n)
         else:
-            logits, self.differing[width] = compiled_rows_differing(decoder, tokens)
+            logits, self.differing[width, decoder.span] = compiled_rows_differing(decoder, tokens, width - n)
         inexact = self._inexact(width)
         if inexact:
             raise UserError(f"greedy speculation with --compile would not be token-exact here: {inexact}; "
@@ -107,23 +110,26 @@ class SpeculativeDecoder:
         """Why greedy speculation through the compiled n-token verification could differ from plain compiled
         decoding (a row of its probe differed bitwise), or None."""
         decoder = self.decoder
-        if not (self.differing.get(n) and self.sampling.greedy) or decoder.steps[1].fallback or decoder.steps[n].fallback:
+        differing = self.differing.get((n, decoder.span))
+        if not (differing and self.sampling.greedy) or decoder.steps[1].fallback or decoder.steps[n].fallback:
             return None
         return (f"the compiled {n}-token verification step's logits differ bitwise from the compiled one-token "
-                f"step's in {self.differing[n]} of {n} rows ({decoder.lm.precision})")
+                f"step's in {differing} of {n} rows over {decoder.span} cache positions ({decoder.lm.precision})")
 
-    def prepare(self, prompt_ids: list[int], k: int) -> str | None:
-        """Compiled: build and probe the verification step rounds of ``k`` run (``width``: K+1 rows), so that no
-        timed round compiles. Where the probe refuses greedy speculation, decoding goes back to the eager step
+    def prepare(self, prompt_ids: list[int], k: int, positions: int | None = None) -> str | None:
+        """Compiled: build and probe the steps rounds of ``k`` run (``width``: K+1 rows) for requests of
+        ``positions`` positions (their span, ``Decoder.reserve``; None: the whole cache), so that no timed round
+        compiles. Where the probe refuses greedy speculation, decoding goes back to the eager step
         (``Decoder.step_label`` says why); returns that reason. Eager: nothing to do."""
         if self.decoder.compile_mode is None:
             return None
         n = k + 1
         self.decoder.rollback(0)
+        self.decoder.reserve(positions or self.decoder.max_len)
         self.decoder.forward(prompt_ids)
         start = self.decoder.pos
-        if n not in self.differing:
-            self.differing[n] = compiled_rows_differing(self.decoder, prompt_ids[-1:] * n)[1]
+        if (n, self.decoder.span) not in self.differing:
+            self.differing[n, self.decoder.span] = compiled_rows_differing(self.decoder, prompt_ids[-1:] * n)[1]
         self.decoder.rollback(start)
         reason = self._inexact(n)
         if reason:
@@ -142,7 +148,9 @@ class SpeculativeDecoder:
         stats.observe(len(proposal.tokens), verdict.accepted, t1 - t0, time.perf_counter() - t1)
         return [*proposal.tokens[:verdict.accepted], verdict.token]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False,
+                 positions: int | None = None) -> GenerationResult:
+        """``positions``: as ``Decoder.generate``'s."""
         if max_new_tokens < 1:
             raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
         if len(prompt_ids) + max_new_tokens > self.decoder.max_len:
@@ -152,6 +160,7 @@ class SpeculativeDecoder:
         generator = self.sampling.generator(device)
         eos = set() if ignore_eos else self.decoder.eos_ids
         stats = AcceptanceStats(self.k)
+        self.decoder.reserve(positions or len(prompt_ids) + max_new_tokens)
         sync(device)
         t0 = time.perf_counter()
         out = [self.start(prompt_ids, generator)]

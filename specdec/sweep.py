@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
+from runtime.compiled import cache_span
 from runtime.errors import UserError
 from runtime.progress import Tick
 from runtime.loading import LoadedModel
@@ -42,16 +44,27 @@ def parse_ks(text: str) -> list[int]:
     return sorted(ks)
 
 
+class RunContext(NamedTuple):
+    """Where a run verifies: a context, its weight (decode steps), and the positions its request reserved
+    (``Decoder.reserve``: the span its compiled steps read; None: the decoder's)."""
+
+    ids: list[int]
+    weight: int
+    positions: int | None = None
+
+
 @torch.inference_mode()
-def verify_cost_curve(decoder: Decoder, contexts: list[tuple[list[int], int]], max_draft: int,
+def verify_cost_curve(decoder: Decoder, contexts: list[RunContext], max_draft: int,
                       repeats: int = 7) -> list[float]:
     """cost[n] = time of one target forward over n+1 new tokens / time of a 1-token decode step, through
-    ``decoder``'s steps (compiled ones where it compiles), after a prefill of each ``(context, weight)``; times are
+    ``decoder``'s steps (compiled ones where it compiles), after a prefill of each ``RunContext``; times are
     summed over the contexts with their weights, so attention over long histories costs what it costs in the run.
     Sizes are interleaved and the minimum of ``repeats`` is kept: on a shared CPU noise only ever adds time."""
     total = [0.0] * (max_draft + 1)
-    for ids, weight in contexts:
+    for ids, weight, positions in (RunContext(*c) for c in contexts):
         decoder.rollback(0)
+        if positions:
+            decoder.reserve(positions)
         decoder.forward(ids)
         start = decoder.pos
         tokens = (ids * (max_draft + 1))[: max_draft + 1]
@@ -66,10 +79,13 @@ def verify_cost_curve(decoder: Decoder, contexts: list[tuple[list[int], int]], m
     return [t / total[0] for t in total]
 
 
-def run_contexts(prompts: list[list[int]], base: list[GenerationResult]) -> list[tuple[list[int], int]]:
+def run_contexts(prompts: list[list[int]], base: list[GenerationResult],
+                 max_new_tokens: int | None = None) -> list[RunContext]:
     """Where a run's verifications happen: each prompt plus the first half of its plain answer (its mean context
-    during decoding), weighted by the answer's decode steps."""
-    return [(ids + r.tokens[: len(r.tokens) // 2], len(r.tokens) - 1) for ids, r in zip(prompts, base)
+    during decoding), weighted by the answer's decode steps; with ``max_new_tokens``, the positions its request
+    reserved."""
+    return [RunContext(ids + r.tokens[: len(r.tokens) // 2], len(r.tokens) - 1,
+                       max_new_tokens and len(ids) + max_new_tokens) for ids, r in zip(prompts, base)
             if len(r.tokens) > 1]
 
 
@@ -202,15 +218,21 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len, compile_mode)
-    fell = next(filter(None, (spec.prepare(prompts[0], k) for k in ks)), None)  # each K's step, until one refuses
+    longest = {}  # one prompt of each cache span the runs reach (Decoder.reserve): its steps are built first
+    for ids in sorted(prompts, key=len):
+        longest[cache_span(len(ids) + max_new_tokens, max_len)] = ids
+    # each K's step, until one refuses
+    fell = next(filter(None, (spec.prepare(ids, k, len(ids) + max_new_tokens) for ids in longest.values()
+                              for k in ks)), None)
     if fell:  # plain decoding on the step speculation runs, so that speedup, c and V(K) compare like with like
         plain.fall_back(f"as speculation: {fell}")
-    warm = prompts[0], min(8, max_new_tokens)
-    for decoder in filter(None, (plain, reference_plain)):
-        decoder.generate(*warm, sampling, ignore_eos=True)
-    for k in ks:
-        spec.k = k
-        spec.generate(*warm, ignore_eos=True)
+    for ids in longest.values():
+        warm = dict(ignore_eos=True, positions=len(ids) + max_new_tokens)
+        for decoder in filter(None, (plain, reference_plain)):
+            decoder.generate(ids, min(8, max_new_tokens), sampling, **warm)
+        for k in ks:
+            spec.k = k
+            spec.generate(ids, min(8, max_new_tokens), **warm)
     base, ref, runs = [], [], {k: [] for k in ks}
     for ids in prompts:
         base.append(plain.generate(ids, max_new_tokens, sampling, ignore_eos=ignore_eos))
@@ -222,7 +244,7 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
             spec.k = k
             runs[k].append(spec.generate(ids, max_new_tokens, ignore_eos=ignore_eos))
             tick(f"K={k}")
-    contexts = run_contexts(prompts, base)  # the answers with a decode step
+    contexts = run_contexts(prompts, base, max_new_tokens)  # the answers with a decode step
     if not contexts:
         raise UserError("every answer ended at its first token, so there is no decoding to time: use more prompts "
                         "or drop --natural-eos")

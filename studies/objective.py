@@ -283,6 +283,8 @@ class RealEvaluator:
         requests, _ = build_requests(self.workload, backend.tokenizer(), self.num_prompts, self.output_len, True,
                                      self.data_dir)
         requests = [r for r in requests if r.index in indices]
+        for engine in (reference, backend):
+            engine.prepare(requests)  # built where the runs before did not reach these requests' shapes
         # torch threads are per process: the reference's re-choice (noise guard) serves both engines
         return paired_ratio(lambda u: reference.sample(requests[u]), lambda u: backend.sample(requests[u]),
                             len(requests), self.protocol, "one request (batch 1, greedy, fixed length)",

@@ -75,6 +75,41 @@ def test_run_benchmark_record_has_six_conditions(tiny_native, tiny_llama_dir):
     assert 0 < res.summary["itl_s"]["p50"] <= res.summary["e2e_s"]["p50"]
 
 
+@pytest.mark.parametrize("spec", [None, "ngram:min=1,max=3"])
+def test_compiled_steps_of_every_span_are_built_before_the_measured_requests(tiny_llama_dir, spec_dtype, spec,
+                                                                             monkeypatch):
+    """Requests reaching three cache spans (``SPAN_BLOCK`` 16 here): ``run_benchmark`` has the backend build every
+    span's steps (and probe them, speculating) before the measured window, which then builds nothing. Negative
+    control: without ``prepare`` the measured requests build them."""
+    from runtime import compiled
+    from serving.backends.base import Backend
+    from serving.backends.native import NativeBackend
+
+    if spec and spec_dtype == "fp32":
+        pytest.skip("fp32 greedy speculation runs eager under --compile (its probe refuses it): nothing to build")
+    monkeypatch.setattr(compiled, "SPAN_BLOCK", 16)
+    requests = [Request(0, [3, 4, 5, 6], 8), Request(1, [5] * 20, 8), Request(2, [7] * 36, 8)]
+    monkeypatch.setattr("serving.bench_api.build_requests", lambda *a: (requests, "three lengths"))
+    built_while_measured = []
+    closed_loop = NativeBackend.closed_loop
+
+    def measured(backend, reqs, *args, **kwargs):
+        before = backend.compile_s
+        out = closed_loop(backend, reqs, *args, **kwargs)
+        if reqs is requests:
+            built_while_measured.append(backend.compile_s - before)
+        return out
+
+    monkeypatch.setattr(NativeBackend, "closed_loop", measured)
+    point = Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype, **({"spec": spec, "k": 3} if spec else {}))
+    config = ServingConfig(point, max_model_len=64, compile="default")
+    res = run_benchmark(config, "short-short", LoadSpec.closed(1), num_prompts=3, output_len=8)
+    assert built_while_measured == [0.0] and "cache positions built in" in res.record.engine.warmup
+    monkeypatch.setattr(NativeBackend, "prepare", Backend.prepare)
+    run_benchmark(config, "short-short", LoadSpec.closed(1), num_prompts=3, output_len=8)
+    assert built_while_measured[1] > 0
+
+
 def test_native_speculation_is_lossless_and_reports_acceptance(tiny_llama_dir, spec_dtype):
     config = ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype), max_model_len=200)
     spec = ServingConfig(Config.parse(model=str(tiny_llama_dir), spec="ngram:min=1,max=3", k=3, dtype=spec_dtype),

@@ -38,7 +38,29 @@ def test_compiled_greedy_tokens_equal_eager_fp32(tiny):
     # negative control: the same step fed the wrong position (one behind) decodes other tokens
     decoder.generate(PROMPT, 2, ignore_eos=True)
     good = decoder.step
-    decoder.steps[1] = lambda token, input_pos: good(token, input_pos - 1)
+    decoder.steps[1] = lambda token, input_pos, span: good(token, input_pos - 1, span)
+    assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens != eager
+
+
+def test_steps_read_the_span_their_request_reserved(tiny, monkeypatch):
+    """A request's compiled steps read its positions rounded up to ``SPAN_BLOCK`` (one graph per span, built on first
+    use), not the whole cache: fp32 tokens equal eager decoding's at every span, and a token past the reserved span
+    widens it. Negative control: a step made to read a span that stops short of its own position decodes other
+    tokens (the widening is what keeps them right)."""
+    monkeypatch.setattr(compiled, "SPAN_BLOCK", 16)
+    _, eager = greedy(tiny)
+    decoder = Decoder(tiny, max_len=64, compile_mode="default")
+    short = decoder.generate(PROMPT[:5], 6, ignore_eos=True).tokens
+    assert (decoder.span, decoder.step.spans) == (16, [16])
+    assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens == eager and decoder.step.spans == [16, 64]
+    assert short == Decoder(tiny, max_len=64).generate(PROMPT[:5], 6, ignore_eos=True).tokens
+    decoder.reserve(16)  # PROMPT alone is 25 positions: the first step widens the span to 32
+    decoder.reset()
+    decoder.forward(PROMPT)
+    decoder.forward([eager[0]])
+    assert (decoder.span, decoder.step.spans) == (32, [16, 32, 64])
+    monkeypatch.setattr(Decoder, "reserve", lambda self, positions: None)
+    decoder.span = 16
     assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens != eager
 
 
@@ -136,7 +158,7 @@ def test_a_step_keeps_the_guards_on_its_tensors(tiny_bf16):
         tiny_bf16.model.setup_cache(1, 48)
         with torch.inference_mode():  # as Decoder.forward runs
             tiny_bf16.model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
-            logits = decoder.step(torch.tensor([[7]]), torch.tensor([len(PROMPT)]))[0]
+            logits = decoder.step(torch.tensor([[7]]), torch.tensor([len(PROMPT)]), decoder.span)[0]
         assert decoder.step.fallback is None
         return logits
 
@@ -392,8 +414,8 @@ def test_a_model_whose_kernel_fails_in_a_region_builds_its_steps_unrolled(tiny_l
 class PerturbedVerify(CompiledStep):
     """A compiled step whose multi-token logits have their last row shifted by 0.25 (argmax unchanged)."""
 
-    def __call__(self, tokens, input_pos):
-        logits, hidden = super().__call__(tokens, input_pos)
+    def __call__(self, tokens, input_pos, span=None):
+        logits, hidden = super().__call__(tokens, input_pos, span)
         return (logits + torch.arange(tokens.shape[1]).eq(tokens.shape[1] - 1)[None, :, None] * 0.25
                 if tokens.shape[1] > 1 else logits), hidden
 
@@ -404,7 +426,7 @@ def test_compiled_bf16_speculation_equals_compiled_plain_greedy(tiny_bf16, tiny_
     verification row is used) emits compiled plain greedy decoding's tokens."""
     _, plain = greedy(tiny_bf16, "default", n=15)
     spec, result = speculate(tiny_bf16, tiny_llama_dir, n=15)  # the last round's 2 drafts padded to K + 1 rows
-    assert spec.differing == {K + 1: 0} and set(spec.decoder.steps) == {1, K + 1}
+    assert spec.differing == {(K + 1, spec.decoder.span): 0} and set(spec.decoder.steps) == {1, K + 1}
     assert spec.decoder.steps[K + 1].fallback is None
     assert spec.proposer.decoder.step is not None  # the draft model's steps compiled too
     assert result.tokens == plain and result.stats["alpha"] == 1.0
@@ -443,7 +465,7 @@ def test_compiled_fp32_greedy_speculation_is_refused_in_one_line(tiny, tiny_llam
     spec = SpeculativeDecoder(tiny, f"draft:{tiny_llama_dir}", K, max_len=64, compile_mode="default")
     with pytest.raises(UserError) as err:
         spec.generate(PROMPT, 16, ignore_eos=True)
-    assert "\n" not in str(err.value) and "--compile eager" in str(err.value) and spec.differing[K + 1] > 0
+    assert "\n" not in str(err.value) and "--compile eager" in str(err.value) and spec.differing[K + 1, 64] > 0
     spec.sampling = SamplingConfig(temperature=1.0, seed=0)
     assert len(spec.generate(PROMPT, 16, ignore_eos=True).tokens) == 16
     assert spec.prepare(PROMPT, K) is None and spec.decoder.step_label == "compiled (default)"  # sampling: no refusal

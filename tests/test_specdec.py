@@ -576,8 +576,9 @@ def test_sweep_to_end_of_turn_counts_what_was_emitted(target, monkeypatch):
     assert record.results["baseline"]["ended"][0] and record.results["rows"][0]["speedup_ended"] > 0
     answers = record.results["baseline"]["output_tokens"]
     ids = prompt_ids(stops, [prompt, "hello"])
-    assert [(len(c), w) for c, w in measured] == [(len(p) + n // 2, n - 1) for p, n in zip(ids, answers) if n > 1]
-    assert all(c[: len(p)] == p for (c, _), p in zip(measured, ids))
+    assert [(len(c), w, r) for c, w, r in measured] == [(len(p) + n // 2, n - 1, len(p) + 30)
+                                                       for p, n in zip(ids, answers) if n > 1]
+    assert all(c[: len(p)] == p for (c, _, _), p in zip(measured, ids))
 
 
 class ClockedDecoder:
@@ -605,7 +606,8 @@ def test_verify_cost_curve_is_measured_where_the_run_verifies(monkeypatch):
     prompts = [[1] * 10, [2] * 300]
     base = [GenerationResult(p, [3] * 41, "", 0.0, 1.0, "length") for p in prompts]
     contexts = sweep.run_contexts(prompts, base)
-    assert contexts == [([1] * 10 + [3] * 20, 40), ([2] * 300 + [3] * 20, 40)]
+    assert contexts == [([1] * 10 + [3] * 20, 40, None), ([2] * 300 + [3] * 20, 40, None)]
+    assert [c.positions for c in sweep.run_contexts(prompts, base, 64)] == [74, 364]
     cost = lambda pos, n: 1.0 + 0.01 * pos * (n + 1)  # noqa: E731
     expected = [(cost(30, n) + cost(320, n)) / (cost(30, 0) + cost(320, 0)) for n in range(3)]
     assert sweep.verify_cost_curve(decoder, contexts, 2) == pytest.approx(expected)

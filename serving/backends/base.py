@@ -127,6 +127,11 @@ class Backend:
             self.closed_loop(requests, concurrency=1)
         return f"{len(requests)} request(s) of {requests[0].max_tokens} tokens each, excluded from measurement"
 
+    def prepare(self, requests: list[Request]) -> str:
+        """Build what the engine builds per request shape for ``requests``, before they are measured; says what it
+        built ("" for nothing)."""
+        return ""
+
     def closed_loop(self, requests: list[Request], concurrency: int, progress: Progress | None = None
                     ) -> list[RequestResult]:
         raise NotImplementedError

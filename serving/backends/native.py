@@ -18,7 +18,7 @@ from serving.backends.base import Backend, ServingConfig, register_backend
 from serving.requests import Progress, Request, RequestResult, SpecCounters, check_fits, now
 from evals.build import build_native
 from evals.config import Config
-from runtime.compiled import gemm_backends, resolve_compile, step_attention
+from runtime.compiled import cache_span, gemm_backends, resolve_compile, step_attention
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.threads import apply_threads
@@ -26,6 +26,8 @@ from runtime.generate import Decoder
 from runtime.sampling import SamplingConfig
 from specdec.proposers.base import build_proposer
 from specdec.speculative import SpeculativeDecoder
+
+WARM_TOKENS = 8  # a span's build run (``prepare``): enough for a few speculation rounds
 
 
 @register_backend("native")
@@ -85,12 +87,35 @@ class NativeBackend(Backend):
         return (self.decoder.decoder if self.config.config.speculative else self.decoder).compile_s
 
     def warm_up(self, requests: list[Request], load_kind: str) -> str:
-        """Compiled: every step a measured request can run is built (and, speculating, probed) first."""
+        """Compiled: every step the warm-up requests run is built (and, speculating, probed) first."""
         if self.config.config.speculative:
-            self.decoder.prepare(requests[0].prompt_ids, self.config.config.k)
+            first = requests[0]
+            self.decoder.prepare(first.prompt_ids, self.config.config.k, len(first.prompt_ids) + first.max_tokens)
         what = super().warm_up(requests, load_kind)
         built = f" built in {self.compile_s:.1f} s (one-time)" if self.compile_s else ""
         return f"{self.step_label} step{built}; {what}"
+
+    def prepare(self, requests: list[Request]) -> str:
+        """Compiled: the steps of every cache span ``requests`` reach (``Decoder.reserve``), built (and, speculating,
+        probed) by a short run of the longest request of each span."""
+        plain = self.decoder.decoder if self.config.config.speculative else self.decoder
+        if not plain.compile_mode or plain.step.fallback:
+            return ""
+        longest = {}
+        for r in sorted(requests, key=lambda r: len(r.prompt_ids) + r.max_tokens):
+            longest[cache_span(len(r.prompt_ids) + r.max_tokens, plain.max_len)] = r
+        spans = [span for span in longest if span not in plain.step.spans]
+        before = self.compile_s
+        for span in spans:
+            r = longest[span]
+            positions = len(r.prompt_ids) + r.max_tokens
+            if self.config.config.speculative:
+                self.decoder.prepare(r.prompt_ids, self.config.config.k, positions)
+                self.decoder.generate(r.prompt_ids, WARM_TOKENS, True, positions)
+            else:
+                self.decoder.generate(r.prompt_ids, WARM_TOKENS, self.sampling, True, positions)
+        return (f"steps over {', '.join(map(str, spans))} cache positions built in {self.compile_s - before:.1f} s "
+                "(one-time)") if spans else ""
 
     def _generate(self, request: Request):
         if self.config.config.speculative:

@@ -39,6 +39,7 @@ class DraftModelProposer(AutoregressiveDraft):
     def __init__(self, draft: LoadedModel, label: str):
         self.draft = draft
         self._label = label
+        self.target: Decoder | None = None
         self.decoder: Decoder | None = None
         self.cached: list[int] = []
 
@@ -47,11 +48,13 @@ class DraftModelProposer(AutoregressiveDraft):
         return self._label
 
     def attach(self, decoder):
+        self.target = decoder
         self.decoder = Decoder(self.draft, decoder.max_len, compile_mode=decoder.compile_mode)
         self.cached = []
 
     def reset(self):
         self.decoder.reset()
+        self.decoder.reserve(self.target.span)  # the target's request: its compiled steps read as many positions
         self.cached = []
 
     def catch_up(self, context):
