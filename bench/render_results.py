@@ -301,18 +301,21 @@ def render_gemv(d: dict) -> str:
        "bench/step_attention.py",
        "Each step here reads every position of its preallocated KV cache (a span of the whole cache). The bf16 "
        "one-token step of the default model with torch's SDPA kernel (the step's attention for SDPA models before "
-       "this record), with the batch-invariant `eager` attention (what the native serving backend loads, for exact "
-       "bf16 speculation) and with `reduce_attention` (fp32 multiply-reduce over head dim and keys, fused by "
-       "inductor: the product's compiled attention for SDPA models on CPU since), each paired with SDPA in "
-       "interleaved rounds, over the short cache the decode benches allocate and the long one `quantspec bench` "
-       "allocates by default; over the short cache, how many rows of each one's five-token verification step differ "
+       "these records), with the batch-invariant `eager` attention (what the native serving backend loads, for "
+       "exact bf16 speculation, and since the direct pairing here SDPA models' step attention in bf16 where the CPU "
+       "multiplies bf16 natively) and with `reduce_attention` (fp32 multiply-reduce over head dim and keys, fused "
+       "by inductor: SDPA models' step attention before that, and still where bf16 is emulated), each paired with "
+       "SDPA in interleaved rounds and eager with reduce directly, over the span the product's step reads for the "
+       "request and the whole cache `quantspec bench` allocates by default; over the short span, how many rows of each one's five-token verification step differ "
        "bitwise from its one-token step (greedy speculation needs none).")
 def render_step_attention(d: dict) -> str:
     rows = [[x["cache_len"], x["attention"], num(x["tok_s"], 1), num(x["sdpa_tok_s"], 1),
              with_ci(x["over_sdpa"], x["over_sdpa_ci"], ".2f", "x") + (" (noisy)" if x["noisy"] else ""),
+             with_ci(x["over_reduce"], x["over_reduce_ci"], ".2f", "x") if "over_reduce" in x else "–",
              x["rounds"], f"{num(x['build_s'], 0)} / {num(x['sdpa_build_s'], 0)}", num(x["first_diff_vs_sdpa"]),
              num(x["verify_rows_differing"])] for x in d["results"]["rows"]]
-    return table(["cache positions", "attention", "tok/s", "SDPA tok/s", "vs SDPA [95% CI]", "rounds",
+    return table(["cache positions", "attention", "tok/s", "SDPA tok/s", "vs SDPA [95% CI]", "vs reduce [95% CI]",
+                  "rounds",
                   "build s (it / SDPA)", "first token differing from SDPA", "verification rows differing"], rows)
 
 

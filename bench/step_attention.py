@@ -1,12 +1,14 @@
 """Which attention a compiled decode step should run on CPU: the compiled bf16 one-token step of the default model
 with SDPA (torch's flash kernel, the step's attention before this bench), with the batch-invariant ``eager``
-attention (what the native serving backend loads, for exact bf16 speculation) and with ``reduce_attention`` (fp32
-multiply-reduce that inductor fuses: the product's for SDPA models since), over KV caches of two lengths, each
-read whole (``generate(positions=...)``: the step's span is the cache), so the cache length, not the tokens
-written, sets its attention cost: the short cache is what ``bench/quant_decode.py`` allocates (prompt + output + 8), the long one is
-``quantspec bench``'s default ``--max-model-len``. Per length the three steps stay resident and each of eager and
-reduce alternates with SDPA in paired rounds of one greedy generation each; over the short cache each one's
-5-token verification step is probed against its one-token step (rows differing bitwise).
+attention (the native serving backend's, for exact bf16 speculation; since this bench also SDPA models' where the
+CPU multiplies bf16 natively) and with ``reduce_attention`` (fp32 multiply-reduce that inductor fuses: SDPA models'
+before that), over KV caches of two lengths, each read whole (``generate(positions=...)``: the step's span is the
+cache), so the cache length, not the tokens written, sets its attention cost: the short cache is the span the
+product's step reads for this request (``runtime.compiled.cache_span``), the long one is ``quantspec bench``'s
+default ``--max-model-len``. Per length the three steps stay resident and each of eager and reduce alternates with
+SDPA in paired rounds of one greedy generation each, then eager with reduce directly (``over_reduce``, on the eager
+row); over the short cache each one's 5-token verification step is probed against its one-token step (rows
+differing bitwise).
 
 Usage: flock /tmp/qs-bench.lock .venv/bin/python bench/step_attention.py [--new-tokens 128] [--long 1024]
 Writes bench/results/step_attention.<machine tag>.json.
@@ -36,8 +38,9 @@ from specdec.speculative import compiled_rows_differing
 # SDPA under a name of its own: the compiled step keeps a model's attention unless it is "sdpa" on CPU
 # (runtime.compiled.step_attention), so a model loaded with this one compiles SDPA into its step
 ATTENTION.register("sdpa-in-step")(sdpa_attention)
-# the step's attention -> the model's attention ("eager": batch-invariant, kept in its compiled step)
-ATTENTIONS = {"sdpa": "sdpa-in-step", "eager": "eager", "reduce": "sdpa"}
+ATTENTION.register("reduce-in-step")(compiled.reduce_attention)  # what SDPA models' steps ran before eager won here
+# the step's attention -> the model's attention, kept in its compiled step
+ATTENTIONS = {"sdpa": "sdpa-in-step", "eager": "eager", "reduce": "reduce-in-step"}
 VERIFY_ROWS = 5  # K = 4
 
 
@@ -46,7 +49,7 @@ def step(model: str, attention: str, max_len: int, prompt_ids: list[int]) -> Dec
     lm = load_model(model, "bf16", attn_implementation=ATTENTIONS[attention])
     decoder = Decoder(lm, max_len, compile_mode=compiled.DEFAULT_MODE)
     decoder.generate(prompt_ids, 8, ignore_eos=True, positions=max_len)
-    assert compiled.step_attention(lm.model) == {"sdpa": "sdpa-in-step"}.get(attention, attention)
+    assert compiled.step_attention(lm.model) == ATTENTIONS[attention]
     return decoder
 
 
@@ -60,7 +63,7 @@ def rows_differing(decoder: Decoder, prompt_ids: list[int]) -> int:
 def run(model: str, new_tokens: int, long: int) -> RunRecord:
     prompt_ids = encode_prompt(load_model(model, "bf16").tokenizer, DEFAULT_PROMPT)
     rows = []
-    short = len(prompt_ids) + new_tokens + 8
+    short = compiled.cache_span(len(prompt_ids) + new_tokens, long)  # what the product's step reads for this request
     for max_len in (short, long):
         steps = {a: step(model, a, max_len, prompt_ids) for a in ATTENTIONS}
         blocks = {a: decoder_block(d, prompt_ids, new_tokens, max_len) for a, d in steps.items()}
@@ -77,6 +80,10 @@ def run(model: str, new_tokens: int, long: int) -> RunRecord:
                          "verify_rows_differing": rows_differing(steps[attention], prompt_ids)
                          if max_len == short else None})
             print(rows[-1], flush=True)
+        direct = paired_ratio(blocks["reduce"], blocks["eager"], 1, SpeedProtocol(), "one greedy generation")
+        rows[-2].update(over_reduce=direct.ratio.value, over_reduce_ci=list(direct.ratio.ci),
+                        reduce_noisy=direct.noisy)
+        print(f"eager over reduce at {max_len}: {direct.ratio.value:.3f} {direct.ratio.ci}", flush=True)
     path = load_model(model, "bf16").path
     return RunRecord(
         name="step-attention",
@@ -93,6 +100,7 @@ def run(model: str, new_tokens: int, long: int) -> RunRecord:
             {"over_sdpa": "median over paired, interleaved rounds (one greedy generation each, seeded AB/BA order) of "
                           "the row's step's decode tok/s over the SDPA step's; CI: 95% t-interval of the mean log "
                           "ratio",
+             "over_reduce": "as over_sdpa, eager's step over reduce's, paired directly (eager rows)",
              "first_diff_vs_sdpa": "first position where the greedy tokens differ from the SDPA step's (bf16 "
                                    "rounding; not a verdict)",
              "verify_rows_differing": "rows of the compiled 5-token step's logits not bitwise the one-token step's "

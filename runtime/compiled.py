@@ -8,9 +8,9 @@ cache cost 1.56-1.81x in speed (bench/results/cache_span.*.json); one graph per 
 every layer, where it builds; bf16 linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v
 and gate/up as one call each, int4/int8 ones ``int4gemv`` / ``int8gemv``; where another linear runs, the weights are
 frozen into the graph (prepacked by inductor where it runs the product); on
-CPU the attention is ``reduce_attention``, fused by inductor, where SDPA's kernel made reading the whole cache
-slow; bf16 intermediates are rounded as eager rounds them, so a K+1-token step's rows are the one-token step's
-wherever its kernels are row-invariant). A ``Decoder``
+CPU the attention is ``step_attention``'s, where SDPA's kernel made reading the cache slow; bf16 intermediates are
+rounded as eager rounds them, so a K+1-token step's rows are the one-token step's wherever its kernels are
+row-invariant). A ``Decoder``
 compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
 step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
 
@@ -33,7 +33,7 @@ import torch
 from torch._dynamo.exc import TorchDynamoException
 
 from runtime.errors import UserError
-from runtime.hardware import quantspec_home
+from runtime.hardware import probe, quantspec_home
 from runtime.packed_linear import gemv_only, prepare
 from runtime.transformer import ATTENTION, Transformer
 
@@ -153,11 +153,15 @@ def reduce_attention(q, k, v, mask):
 
 
 def step_attention(model: Transformer) -> str:
-    """The name of the attention a compiled step of ``model`` runs: ``reduce`` (``reduce_attention``) for SDPA on
-    CPU; otherwise the model's own (batch-invariant "eager" attention keeps its construction; on a GPU SDPA's
-    kernels are the fast ones)."""
-    sdpa_on_cpu = model.attn_implementation == "sdpa" and model.embed_tokens.weight.device.type == "cpu"
-    return "reduce" if sdpa_on_cpu else model.attn_implementation
+    """The name of the attention a compiled step of ``model`` runs. SDPA on CPU: the batch-invariant ``eager``
+    attention in bf16 where the CPU multiplies bf16 natively (its step ran 1.14x reduce's over 256 positions and 1.24x
+    over 1024, bench/results/step_attention.*.json), else ``reduce`` (``reduce_attention``: fp32, or bf16 emulated,
+    where that was not measured). Otherwise the model's own ("eager" keeps its construction; on a GPU SDPA's kernels
+    are the fast ones)."""
+    if model.attn_implementation != "sdpa" or model.embed_tokens.weight.device.type != "cpu":
+        return model.attn_implementation
+    native_bf16 = model.embed_tokens.weight.dtype == torch.bfloat16 and probe().bf16_matmul.startswith("native")
+    return "eager" if native_bf16 else "reduce"
 
 
 def attention_fn(name: str):
@@ -176,16 +180,15 @@ def per_block(layer, x, cos, sin, input_pos, mask, length, attention):
                  else attention)
 
 
-def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, span: int,
+def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, span: int, name: str,
                 block=per_block, traced_once: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, n, vocab], final-norm hidden states [1, n, dim]) for ``tokens`` [1, n] at ``input_pos`` [n],
-    reading the first ``span`` cache positions (masked, causal within the n tokens) with ``step_attention``; each
-    layer through
-    ``block`` (None: one unrolled graph). ``traced_once``: the block gets its attention by name, so dynamo traces
-    one block for all (False: by function, every block traced: what frozen weights need, which are graph
-    attributes that torch 2.13's subgraph reuse cannot map back, "Freevar has no source")."""
+    reading the first ``span`` cache positions (masked, causal within the n tokens) with the attention ``name``
+    (``step_attention``'s, chosen before tracing: it asks the hardware probe); each layer through ``block`` (None:
+    one unrolled graph). ``traced_once``: the block gets its attention by name, so dynamo traces one block for all
+    (False: by function, every block traced: what frozen weights need, which are graph attributes that torch 2.13's
+    subgraph reuse cannot map back, "Freevar has no source")."""
     mask = torch.arange(span, device=tokens.device)[None, :] <= input_pos[:, None]
-    name = step_attention(model)
     attention = name if block and traced_once else attention_fn(name)
     return model.run(tokens, input_pos, mask, span, attend=attention, block=block)
 
@@ -211,6 +214,7 @@ class CompiledStep:
         if mode not in MODES:
             raise ValueError(f"unknown compile mode {mode!r}: use one of {', '.join(MODES)}")
         self.model, self.mode = model, mode
+        self.attention = step_attention(model)
         self.fallback: str | None = None
         self.compile_s: float | None = None  # each span's first call: tracing, lowering and building (one-time)
         use_cache_dir()
@@ -280,7 +284,8 @@ class CompiledStep:
         builds as one unrolled graph (``regions`` says which ran; the retry rewrites the same cache positions)."""
         if self.regions is not False:
             try:
-                out = self._compiled[span](self.model, tokens, input_pos, span, per_block, not self.freezing)
+                out = self._compiled[span](self.model, tokens, input_pos, span, self.attention, per_block,
+                                           not self.freezing)
                 self.regions = True
                 return out
             except (TorchDynamoException, RuntimeError):
@@ -289,4 +294,4 @@ class CompiledStep:
                 self.regions = False
                 self._compiled[span] = self._compile()  # a graph built before its first run failed: no guard tells
                 # them apart
-        return self._compiled[span](self.model, tokens, input_pos, span, None)
+        return self._compiled[span](self.model, tokens, input_pos, span, self.attention, None)

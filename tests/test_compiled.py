@@ -1,6 +1,8 @@
 """The compiled decode steps (runtime/compiled.py): same greedy tokens as eager in fp32, one graph for every
 position, eager fallback where the step does not compile, and ``quantspec generate --compile``; the compiled K+1-token
 verification of speculative decoding, probed against the one-token step, and ``quantspec accept --compile``."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,9 +94,18 @@ def test_reduce_attention_is_sdpa_over_the_same_keys(mask_dims):
     assert not torch.allclose(ours, tiled, atol=1e-3)
 
 
-def test_compiled_steps_attend_with_reduce_on_cpu_unless_the_model_is_batch_invariant(tiny_llama_dir, tiny):
+def test_compiled_steps_of_sdpa_models_attend_by_what_this_cpu_multiplies(tiny_llama_dir, tiny, monkeypatch):
+    """SDPA models' compiled steps on CPU: the batch-invariant eager attention in bf16 where bf16 matmuls are native
+    (it measured faster), reduce_attention in fp32 or where bf16 is emulated; eager models keep theirs."""
+    from runtime.hardware import probe
+
     assert step_attention(tiny.model) == "reduce" and attention_fn("reduce") is reduce_attention
     assert step_attention(load_model(tiny_llama_dir, "fp32", attn_implementation="eager").model) == "eager"
+    bf16 = load_model(tiny_llama_dir, "bf16").model
+    hardware = probe()
+    for matmul, attention in (("native (AVX512-BF16)", "eager"), ("native (AMX)", "eager"), ("emulated", "reduce")):
+        monkeypatch.setattr(compiled, "probe", lambda: dataclasses.replace(hardware, bf16_matmul=matmul))
+        assert step_attention(bf16) == attention
 
 
 def test_one_graph_serves_every_position(tiny):
