@@ -60,7 +60,8 @@ def run(model: str, max_model_len: int, new_tokens: int) -> RunRecord:
                      "long_tok_s": paired.reference.value, "short_over_long": paired.ratio.value,
                      "short_over_long_ci": list(paired.ratio.ci), "noisy": paired.noisy, "rounds": paired.rounds,
                      "kv_mib_short": kv_bytes(lm, spans["short"]) / 2**20,
-                     "kv_mib_long": kv_bytes(lm, max_model_len) / 2**20, "tokens_equal": tokens["short"] == tokens["long"],
+                     "kv_mib_long": kv_bytes(lm, max_model_len) / 2**20,
+                     "tokens_equal": tokens["short"] == tokens["long"],
                      "compile_s": decoder.compile_s, "paired": paired.to_dict()})
     for row in rows:
         for length in ("short", "long"):

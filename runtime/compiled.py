@@ -4,15 +4,14 @@ A step takes n tokens and their positions as a tensor and attends over the first
 preallocated KV cache, with a mask hiding positions not yet written, so its shapes depend on n and the span only and
 one ``torch.compile`` graph serves every position of a span: a ``Decoder`` sizes the span to each request
 (``cache_span``: its positions rounded up to ``SPAN_BLOCK``, as llama.cpp pads its KV view), where reading the whole
-cache cost 1.56-1.81x in speed (bench/results/cache_span.*.json); one graph per span (inductor's C++ backend on CPU; each transformer block a nested compile region, built once and called for
-every layer, where it builds; bf16 linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v
-and gate/up as one call each, int4/int8 ones ``int4gemv`` / ``int8gemv``; where another linear runs, the weights are
-frozen into the graph (prepacked by inductor where it runs the product); on
-CPU the attention is ``step_attention``'s, where SDPA's kernel made reading the cache slow; bf16 intermediates are
-rounded as eager rounds them, so a K+1-token step's rows are the one-token step's wherever its kernels are
-row-invariant). A ``Decoder``
-compiles its one-token forwards and, when asked, the K+1-token verification forwards of speculative decoding (one
-step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
+cache made steps 1.44-1.69x slower (bench/results/cache_span.*.json); one graph per span (inductor's C++ backend on
+CPU; each transformer block a nested compile region, built once and called for every layer, where it builds; bf16
+linears call quantspec's ``bf16gemv`` op where it runs here, q/k/v and gate/up as one call each, int4/int8 ones
+``int4gemv`` / ``int8gemv``; where another linear runs, the weights are frozen into the graph (prepacked by inductor
+where it runs the product); on CPU the attention is ``step_attention``'s, where SDPA's kernel made reading the cache
+slow; bf16 intermediates are rounded as eager rounds them, so a K+1-token step's rows are the one-token step's
+wherever its kernels are row-invariant). A ``Decoder`` compiles its one-token forwards and, when asked, the K+1-token
+verification forwards of speculative decoding (one step per n); prefill stays eager, and the eager path stays the reference (``Decoder(compile_mode=None)``).
 
 Where speed is measured the setting is ``--compile``: ``auto`` (compile in ``DEFAULT_MODE`` where inductor can
 build here), ``eager``, or a mode name (``resolve_compile``). Inductor's kernels are cached under
@@ -206,9 +205,9 @@ class CompiledStep:
     ``dynamic=False``, so another count would be another graph) over the first ``span`` cache positions (one graph
     per span, built on its first call), returning (logits, hidden) like ``model(..., return_hidden=True)``, compiled
     on the first call from the weights as they are then (frozen into the graph, or the packs ``prepare`` made: build
-    a new step after editing them). A model whose step does not
-    compile to one graph (e.g. a quantized KV cache, which slices at the position's value) runs its eager forward
-    instead, and ``fallback`` says why (printed once)."""
+    a new step after editing them). A model whose step does not compile to one graph (e.g. a quantized KV cache,
+    which slices at the position's value) runs its eager forward instead, and ``fallback`` says why (printed
+    once)."""
 
     def __init__(self, model: Transformer, mode: str = DEFAULT_MODE):
         if mode not in MODES:

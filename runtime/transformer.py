@@ -290,9 +290,9 @@ class Transformer(nn.Module):
             aux_layers: tuple[int, ...] = (), attend=None, block=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, final-norm hidden states, after the outputs of ``aux_layers`` if any) reading the first
         ``length`` cache positions under ``mask``; no branch on tensor values, so ``runtime.compiled`` compiles it
-        with ``length`` its span (a static number of positions). ``rope_pos``: RoPE positions where they differ from the cache positions
-        (left padding). ``attend``: an attention function in place of the model's (a compiled step's), handed to each
-        layer, or to ``block`` as it is. ``block``: ``block(layer, x, ..., attend)`` runs each layer in place of
+        with ``length`` its span (a static number of positions). ``rope_pos``: RoPE positions where they differ from
+        the cache positions (left padding). ``attend``: an attention function in place of the model's (a compiled
+        step's), handed to each layer, or to ``block`` as it is. ``block``: ``block(layer, x, ..., attend)`` runs each layer in place of
         ``layer(x, ..., attend)`` (a compiled step's region)."""
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
