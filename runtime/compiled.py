@@ -61,6 +61,15 @@ def cache_span(positions: int, max_len: int) -> int:
     return min(-(-positions // SPAN_BLOCK) * SPAN_BLOCK, max_len)
 
 
+def longest_per_span(items: list, positions, max_len: int) -> dict:
+    """{span: the item of most ``positions(item)`` among those whose requests read that span}, spans ascending:
+    one warm-up run of each builds the steps of every span ``items`` reach."""
+    longest = {}
+    for item in sorted(items, key=positions):
+        longest[cache_span(positions(item), max_len)] = item
+    return longest
+
+
 @dataclass(frozen=True)
 class CompileChoice:
     """What a ``--compile`` setting resolved to: an inductor ``mode`` (None: the eager step) and why."""

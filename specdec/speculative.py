@@ -66,9 +66,8 @@ class SpeculativeDecoder:
         self.k = check_k(k)
         self.sampling = sampling
         self.decoder = Decoder(target, max_len, compile_mode=compile_mode)
-        self.differing: dict[tuple[int, int], int] = {}  # (compiled verification width, span) -> rows differing
-        # from the one-token steps'
-
+        # (compiled verification width, span) -> rows differing from the one-token steps'
+        self.differing: dict[tuple[int, int], int] = {}
         self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
         self.proposer.attach(self.decoder)
 

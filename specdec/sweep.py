@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from runtime.compiled import cache_span
+from runtime.compiled import longest_per_span
 from runtime.errors import UserError
 from runtime.progress import Tick
 from runtime.loading import LoadedModel
@@ -218,9 +218,8 @@ def run_sweep(target: LoadedModel, proposer: Proposer, ks: list[int], prompts: l
     plain = Decoder(target, max_len, compile_mode=compile_mode)
     reference_plain = Decoder(reference, max_len) if reference else None
     spec = SpeculativeDecoder(target, proposer, ks[0], sampling, max_len, compile_mode)
-    longest = {}  # one prompt of each cache span the runs reach (Decoder.reserve): its steps are built first
-    for ids in sorted(prompts, key=len):
-        longest[cache_span(len(ids) + max_new_tokens, max_len)] = ids
+    # one prompt of each cache span the runs reach (Decoder.reserve): its steps are built first
+    longest = longest_per_span(prompts, lambda ids: len(ids) + max_new_tokens, max_len)
     # each K's step, until one refuses
     fell = next(filter(None, (spec.prepare(ids, k, len(ids) + max_new_tokens) for ids in longest.values()
                               for k in ks)), None)

@@ -18,7 +18,7 @@ from serving.backends.base import Backend, ServingConfig, register_backend
 from serving.requests import Progress, Request, RequestResult, SpecCounters, check_fits, now
 from evals.build import build_native
 from evals.config import Config
-from runtime.compiled import cache_span, gemm_backends, resolve_compile, step_attention
+from runtime.compiled import gemm_backends, longest_per_span, resolve_compile, step_attention
 from runtime.errors import UserError
 from runtime.hardware import kernels_used
 from runtime.threads import apply_threads
@@ -101,9 +101,7 @@ class NativeBackend(Backend):
         plain = self.decoder.decoder if self.config.config.speculative else self.decoder
         if not plain.compile_mode or plain.step.fallback:
             return ""
-        longest = {}
-        for r in sorted(requests, key=lambda r: len(r.prompt_ids) + r.max_tokens):
-            longest[cache_span(len(r.prompt_ids) + r.max_tokens, plain.max_len)] = r
+        longest = longest_per_span(requests, lambda r: len(r.prompt_ids) + r.max_tokens, plain.max_len)
         spans = [span for span in longest if span not in plain.step.spans]
         before = self.compile_s
         for span in spans:
