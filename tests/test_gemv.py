@@ -120,7 +120,9 @@ def test_rows_are_bitwise_the_same_alone_and_in_a_batch(pair):
     def mixed(rows):
         return ours(rows) if rows.shape[0] == 1 else theirs(rows)
 
-    assert row_invariance(("test-" + name + "-mixed", 64), mixed, 576) == "two-rows"
+    # not "alone": "two-rows" where torch's batches agree among themselves (AMD EPYC), None where they too depend on
+    # the batch (oneDNN's bf16 GEMM on an AMX Xeon)
+    assert row_invariance(("test-" + name + "-mixed", 64), mixed, 576) in ("two-rows", None)
 
 
 def test_not_used_under_the_avx2_override(monkeypatch):

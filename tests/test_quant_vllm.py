@@ -4,7 +4,7 @@ import pytest
 from runtime.errors import UserError
 from conftest import VLLM_EXPORTS as SCHEMES, VLLM_W8A8_AMX, require
 from quant.vllm_support import vllm_support
-from runtime.hardware import vllm_ops
+from runtime.hardware import SCALED_MM, vllm_ops
 
 
 pytestmark = pytest.mark.isa
@@ -19,7 +19,8 @@ def test_support_table():
                               "per-tensor or static")):
         for label in labels:
             if vllm_ops()[op]:
-                with pytest.raises(UserError, match=f"{op}.*W8A8.*FP8_DYNAMIC.*--backend native"):
+                fp8 = "" if vllm_ops()[SCALED_MM] else "FP8_DYNAMIC.*"  # offered where it runs fast
+                with pytest.raises(UserError, match=f"{op}.*W8A8.*{fp8}--backend native"):
                     vllm_support(label)
             else:
                 assert runs in vllm_support(label)
@@ -29,11 +30,32 @@ def test_support_table():
             vllm_support(label)
 
 
+@pytest.mark.parametrize("fp8_us,refused", [(123088.0, True), (512.0, False)])
+def test_vllm_fp8_is_refused_where_its_product_is_slow(monkeypatch, fp8_us, refused):
+    """vLLM's FP8 W8A8 path runs ``torch._scaled_mm``: refused in one line, naming its time and alternatives other
+    than FP8_DYNAMIC, where it is timed at 100x the bf16 matmul or more (an AMX Xeon's measurement: 1918x);
+    served where it is fast (the control)."""
+    from runtime import hardware
+    import quant.vllm_support
+
+    timed = {"vllm-scaled-mm/960x576/8": {"fp8_us": fp8_us, "bf16_us": 64.2}}
+    monkeypatch.setattr(hardware, "_speed_cache", lambda: timed)
+    monkeypatch.setattr(quant.vllm_support, "vllm_ops", lambda: {hardware.SCALED_MM: hardware.vllm_scaled_mm()})
+    if refused:
+        with pytest.raises(UserError, match=r"cannot run in vLLM on this machine: torch\._scaled_mm, vLLM's CPU FP8 "
+                                            r"product, takes 123 ms .* 1917x the bf16 matmul; serve W8A8 "
+                                            r"\(w8ch-sym_a8tok-dyn\) or bf16 with vLLM, or use --backend native"):
+            vllm_support("FP8_DYNAMIC")
+    else:
+        assert "FP8 W8A8 dynamic" in vllm_support("FP8_DYNAMIC")
+
+
 @pytest.mark.vllm
 @pytest.mark.integration
 @pytest.mark.parametrize("scheme", [pytest.param("W8A8", marks=VLLM_W8A8_AMX), *SCHEMES[1:]])
 def test_vllm_generates_from_exported_checkpoint(vllm_export_answers, scheme):
-    require(vllm_ops()["cpu_gemm_wna16"] if scheme.startswith("w4") else None)
+    require(vllm_ops()["cpu_gemm_wna16"] if scheme.startswith("w4") else
+            vllm_ops()[SCALED_MM] if scheme == "FP8_DYNAMIC" else None)
     assert "Paris" in vllm_export_answers[scheme], vllm_export_answers
 
 

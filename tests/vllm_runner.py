@@ -1,5 +1,7 @@
 """Run as a script: one vLLM process loads each exported checkpoint in turn and answers the France question
-(``python tests/vllm_runner.py '{"NAME": "DIR", ...}'`` prints ``{"NAME": "answer", ...}`` as its last line)."""
+(``python tests/vllm_runner.py '{"NAME": "DIR", ...}'`` prints ``{"NAME": "answer", ...}`` as its last line), or
+scores a token sequence (``python tests/vllm_runner.py --logprobs DIR '[ids]'`` prints each token's log-probability
+after its prefix, as a JSON list, as its last line)."""
 import json
 import sys
 
@@ -26,5 +28,18 @@ def answer_all(dirs: dict[str, str]) -> dict[str, str]:
     return answers
 
 
+def prompt_logprobs(path: str, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1, as vLLM computes them from the checkpoint at ``path``."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=path, enforce_eager=True, dtype="bfloat16", max_model_len=len(ids) + 8, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    return [scored[token].logprob for scored, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
+
+
 if __name__ == "__main__":
-    print(json.dumps(answer_all(json.loads(sys.argv[1]))))
+    if sys.argv[1] == "--logprobs":
+        print(json.dumps(prompt_logprobs(sys.argv[2], json.loads(sys.argv[3]))))
+    else:
+        print(json.dumps(answer_all(json.loads(sys.argv[1]))))
