@@ -15,9 +15,10 @@ verification forwards of speculative decoding (one step per n); prefill stays ea
 
 Where speed is measured the setting is ``--compile``: ``auto`` (compile in ``DEFAULT_MODE`` where inductor can
 build here), ``eager``, or a mode name (``resolve_compile``). Inductor's kernels are cached under
-``$QUANTSPEC_HOME/inductor``, its FX graphs too where they hold no mkldnn-packed weights (torch 2.13: "mkldnn
-tensors unpickleable"): a step whose every linear calls ``bf16gemv`` leaves its weights as graph inputs, so one
-cached graph serves every model of its shapes (seconds to build after the first); the build is ``compile_s``.
+``$QUANTSPEC_HOME/inductor`` (``runtime.hardware.use_inductor_cache``), its FX graphs too where they hold no
+mkldnn-packed weights (torch 2.13: "mkldnn tensors unpickleable"): a step whose every linear calls ``bf16gemv``
+leaves its weights as graph inputs, so one cached graph serves every model of its shapes (seconds to build after the
+first); the build is ``compile_s``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 from torch._dynamo.exc import TorchDynamoException
 
 from runtime.errors import UserError
-from runtime.hardware import probe, quantspec_home
+from runtime.hardware import probe
 from runtime.packed_linear import gemv_only, prepare
 from runtime.transformer import ATTENTION, Transformer
 
@@ -125,11 +126,6 @@ def gemm_backends(mode: str | None, device: str = "cpu") -> str | None:
     if mode and mode_options(mode).get("max_autotune") and device == "cpu":
         return CPU_GEMM_BACKENDS
     return None
-
-
-def use_cache_dir() -> str:
-    """Inductor's on-disk cache under ``$QUANTSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says where."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(quantspec_home() / "inductor"))
 
 
 @contextlib.contextmanager
@@ -225,7 +221,6 @@ class CompiledStep:
         self.attention = step_attention(model)
         self.fallback: str | None = None
         self.compile_s: float | None = None  # each span's first call: tracing, lowering and building (one-time)
-        use_cache_dir()
         # a config patch around each call: torch.compile(options=...) does not reach freezing (seen in the output code)
         # max-autotune's per-GEMM timing tables go to stderr: the step's label and compile_s are what is reported
         # emulate_precision_casts: a fused bf16 intermediate is rounded where eager rounds it, so whether inductor

@@ -35,6 +35,13 @@ def quantspec_home() -> Path:
     return Path(os.environ.get("QUANTSPEC_HOME", Path.home() / ".cache" / "quantspec"))
 
 
+def use_inductor_cache() -> str:
+    """Inductor's on-disk cache under ``$QUANTSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says where:
+    ``runtime/__init__`` calls it, since importing torch._inductor fixes the directory (``/tmp/torchinductor_<user>``
+    where unset; the compiled steps' caches went there before)."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(quantspec_home() / "inductor"))
+
+
 def forced_features() -> str | None:
     """The smaller feature set forced by ``QUANTSPEC_CPU_FEATURES`` (None when the probe reports the truth)."""
     value = os.environ.get(OVERRIDE_ENV, "").strip().lower() or None

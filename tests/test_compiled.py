@@ -2,6 +2,7 @@
 position, eager fallback where the step does not compile, and ``quantspec generate --compile``; the compiled K+1-token
 verification of speculative decoding, probed against the one-token step, and ``quantspec accept --compile``."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -616,3 +617,20 @@ def test_step_profile_record_on_the_tiny_model(tiny_llama_dir, one_thread):
         "quantspec::int4_gemv") == "weight matmuls"
     assert bench.group_of("graph_0_cpp_fused_add_mul_0") == "other"  # negative control: fused element-wise
     assert rows["int4 g32"]["layer_weight_bytes"] < rows["int8 W8A16"]["layer_weight_bytes"] < rows["bf16"]["layer_weight_bytes"]
+
+
+@pytest.mark.parametrize("chosen", [False, True])
+def test_inductor_caches_under_the_quantspec_home(tmp_path, chosen):
+    """Importing the runtime points inductor's cache under $QUANTSPEC_HOME before torch._inductor's import fixes it
+    (it went to /tmp/torchinductor_<user> when the compiled steps set it later: the negative control, run once
+    against that code); a directory the user chose is kept."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["QUANTSPEC_HOME"] = str(tmp_path)
+    if chosen:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    code = "import os, runtime.compiled, quantspec; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == str(tmp_path / ("mine" if chosen else "inductor")), out.stderr
