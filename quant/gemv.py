@@ -16,8 +16,6 @@ the same alone as in a batch by construction: every row runs the same instructio
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from quant.qlinear import FAST_DTYPE, KERNELS, Int4PackKernel, Int8PackKernel, Kernel, register_kernel, select_kernel
@@ -162,7 +160,7 @@ def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: i
     return hardware.streamed(lambda seed: kernel_cls(*_example(scheme, n, k, seed)), n, k, stream_mb=stream_mb)
 
 
-@functools.cache
+@hardware.cached_per_thread_count
 def gemv_missing(name: str) -> str | None:
     """Why kernel ``name`` is not used here (the AVX2 override, no AVX512-BF16, a failed build, a wrong
     product, or slower than the torch kernel on one row), or None."""

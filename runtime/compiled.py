@@ -35,7 +35,7 @@ from torch._dynamo.exc import TorchDynamoException
 from runtime.errors import UserError
 from runtime.hardware import probe
 from runtime.packed_linear import gemv_only, prepare
-from runtime.transformer import ATTENTION, Transformer
+from runtime.transformer import ATTENTION, CacheState, Transformer
 
 # quantspec's modes beyond inductor's own: (inductor's mode, config on top). The C++ wrapper calls a step's kernels
 # from C++, not Python: on the default model bf16 2.06x its eager step vs 1.90x, int8 2.58x vs 2.22x; but it builds
@@ -197,12 +197,16 @@ def static_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     return model.run(tokens, input_pos, mask, span, attend=attention, block=block)
 
 
-def step_guards(entries) -> list[bool]:
+def step_guards(entries, state: CacheState) -> list[bool]:
     """Which of dynamo's guards a compiled step checks on every call: those on its tensors that are not parameters
-    (tokens, positions, KV caches: dtype, shape, strides), as ``torch.compiler.keep_tensor_guards_unsafe``. A step
-    is built for one model as it is (``CompiledStep``), so the guards on its modules, parameters and constants
-    only cost time: checking them took 8-15% of a profiled step before this filter (docs/methodology.md)."""
-    return torch.compiler.keep_tensor_guards_unsafe(entries)
+    (tokens, positions, KV caches: dtype, shape, strides), as ``torch.compiler.keep_tensor_guards_unsafe``, and the
+    identity guards a frozen step puts on the cache ``state`` it was traced on in place of those (without them a
+    frozen step ran its stale graph on caches set up anew). A step is built for one model as it is
+    (``CompiledStep``), so the guards on its modules, parameters and constants only cost time: checking them took
+    8-15% of a profiled step before this filter (docs/methodology.md)."""
+    ids = {id(t) for t in state.tensors()}
+    return [(entry.guard_type == "TENSOR_MATCH" and not isinstance(entry.value, torch.nn.Parameter))
+            or (entry.guard_type == "ID_MATCH" and id(entry.value) in ids) for entry in entries]
 
 
 class CompiledStep:
@@ -270,15 +274,16 @@ class CompiledStep:
         """The spans built so far."""
         return sorted(self._compiled)
 
-    @staticmethod
-    def _compile():
+    def _compile(self):
         """``static_step`` to compile on its first call. A copy of its code object per step: dynamo caches graphs per
         code object, so the steps of other decoders (each guarded on its own cache tensors) would pile up there and,
         past dynamo's recompile limit, fall back to eager; this cache (and its frozen weights) goes when the step
-        does. Its guards are ``step_guards``'."""
+        does. Its guards are ``step_guards``' on the caches installed when a graph is traced."""
         own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, "static_step",
                                  static_step.__defaults__)
-        return torch.compile(own, fullgraph=True, dynamic=False, options={"guard_filter_fn": step_guards})
+        model = self.model  # not self: the step would hold itself through its graphs' options
+        return torch.compile(own, fullgraph=True, dynamic=False, options={
+            "guard_filter_fn": lambda entries: step_guards(entries, model.cache_state())})
 
     def _build(self, tokens: torch.Tensor, input_pos: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step's outputs, per-block regions tried first. Some kernels do not build or run inside a

@@ -206,6 +206,20 @@ def _machine_key() -> str:
     return f"{hw.cpu}|{hw.isa}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
+def cached_per_thread_count(fn):
+    """``functools.cache`` keyed also by torch's thread count, for a verdict drawn from timings: the timings are
+    kept per thread count (``hardware.json``), and a process that changes it (the test suite's one-thread modules)
+    must not keep the verdict measured on another count. ``cache_clear`` as functools'."""
+    cached = functools.cache(lambda threads, *args: fn(*args))
+
+    @functools.wraps(fn)
+    def verdict(*args):
+        return cached(torch.get_num_threads(), *args)
+
+    verdict.cache_clear = cached.cache_clear
+    return verdict
+
+
 _SPEEDS: dict[str, dict] = {}  # machine key (threads included) -> name -> measurement, this process's view
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu_ops import bf16_fits, build_dir, ops_missing, pack_bf16
-from runtime.hardware import EXACT_ROWS, probe, ranked, row_invariance, streamed_decode_us
+from runtime.hardware import EXACT_ROWS, cached_per_thread_count, probe, ranked, row_invariance, streamed_decode_us
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -141,7 +141,7 @@ def displaced() -> str:
     return "onednn-prepacked" if probe().bf16_prepack_ok else "aten-bf16"
 
 
-@functools.cache
+@cached_per_thread_count
 def _gemv_verdict(build: Path, n: int = 1536, k: int = 576) -> str | None:
     """``bf16gemv``'s product checked, and timed against the kernel it would displace on one row of the default
     model's MLP shape, weights streamed from memory as decoding streams them (once per build of the ops and home:

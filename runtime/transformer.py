@@ -205,6 +205,10 @@ class CacheState:
     batch: int
     rope: tuple  # (cos, sin), or () before any setup_cache
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this state: the caches' buffers and the RoPE tables."""
+        return [*(t for cache in self.caches for t in cache.buffers()), *self.rope]
+
 
 class Transformer(nn.Module):
     """Parameter names mirror HF's ``model.*`` / ``lm_head`` so HF state dicts load directly."""

@@ -148,7 +148,7 @@ def test_a_compiled_step_does_not_rebuild_when_another_decoder_is_made(tiny, mon
     Decoder(tiny, 64)
     assert decoder.generate(PROMPT, 24, ignore_eos=True).tokens == tokens
     assert graphs["unique_graphs"] == before
-    monkeypatch.setattr(compiled, "step_guards", lambda entries: [True] * len(entries))
+    monkeypatch.setattr(compiled, "step_guards", lambda entries, state: [True] * len(entries))
     monkeypatch.setattr(type(tiny.model), "holds", lambda self, state: True)
     decoder, _ = greedy(tiny, "default", n=2)
     before = graphs["unique_graphs"]
@@ -157,31 +157,37 @@ def test_a_compiled_step_does_not_rebuild_when_another_decoder_is_made(tiny, mon
     assert graphs["unique_graphs"] > before
 
 
-def test_a_step_keeps_the_guards_on_its_tensors(tiny_bf16):
+@pytest.mark.parametrize("freezing", [False, True])
+def test_a_step_keeps_the_guards_on_its_tensors(tiny_bf16, tiny_llama_dir, freezing):
     """``step_guards`` drops dynamo's guards on modules, parameters and constants (a step is built for one model as
-    it is), not those on the tensors it is given: on caches of another length the step builds again and its logits
-    are the eager forward's. Negative control: with no guards the step runs its stale graph on the new caches
-    (inductor's input checks refuse them, or the logits differ)."""
+    it is), not those on the tensors it is given, frozen or not (a frozen step guards its caches by identity): on
+    caches of another length the step builds again and its logits are the eager forward's. Negative control: with
+    no guards the step runs its stale graph (inductor's input checks refuse the new caches, or its logits differ: a
+    frozen graph reads the old caches); the frozen case failed so before its identity guards were kept."""
     graphs = torch._dynamo.utils.counters["stats"]
+    # a model of its own for the frozen step: a model's steps are all frozen or none (``gemv_only``), and after a
+    # frozen step dynamo's reuse of the block regions failed on the same model's unfrozen one (torch 2.13)
+    lm = load_model(tiny_llama_dir, "bf16", attn_implementation="eager") if freezing else tiny_bf16
 
     def resized_step_logits() -> torch.Tensor:
-        decoder = Decoder(tiny_bf16, 32, compile_mode="default")
-        decoder.generate(PROMPT, 2, ignore_eos=True)
-        tiny_bf16.model.setup_cache(1, 48)
+        decoder = Decoder(lm, 32, compile_mode="default")
+        decoder.step.freezing = freezing
+        decoder.generate(PROMPT[::-1], 2, ignore_eos=True)  # the old caches hold another prompt
+        lm.model.setup_cache(1, 48)
         with torch.inference_mode():  # as Decoder.forward runs
-            tiny_bf16.model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
+            lm.model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))
             logits = decoder.step(torch.tensor([[7]]), torch.tensor([len(PROMPT)]), decoder.span)[0]
         assert decoder.step.fallback is None
         return logits
 
-    eager = Decoder(tiny_bf16, 48)
+    eager = Decoder(lm, 48)
     eager.forward(PROMPT)
     want = eager.forward([7])[-1]
     before = graphs["unique_graphs"]
     torch.testing.assert_close(resized_step_logits()[0, -1], want, atol=0.05, rtol=0.05)
     assert graphs["unique_graphs"] - before == 2  # the step, then the step again on the new caches
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiled, "step_guards", torch.compiler.skip_all_guards_unsafe)
+        patch.setattr(compiled, "step_guards", lambda entries, state: torch.compiler.skip_all_guards_unsafe(entries))
         before = graphs["unique_graphs"]
         try:
             stale = resized_step_logits()[0, -1]
@@ -355,11 +361,13 @@ def test_bf16_gemv_steps_read_each_models_own_weights(tiny_bf16, tiny_llama_dir)
 
 def test_per_block_regions_compute_the_unrolled_steps_logits(tiny_bf16, monkeypatch):
     """Each block is one nested compile region (built once, called for every layer): the step's logits are the
-    unrolled graph's, bitwise. A region that does not build (a graph break inside it) leaves the step one unrolled
-    graph, still compiled. Negative control: a region that doubles its input differs."""
+    unrolled graph's, bitwise, where the weights are graph inputs (pinned: frozen, the unrolled graph prepacks them
+    and the regions read them as inputs, so the kernels differ). A region that does not build (a graph break inside
+    it) leaves the step one unrolled graph, still compiled. Negative control: a region that doubles its input
+    differs."""
     def one_token(regions=None):
         decoder = Decoder(tiny_bf16, max_len=64, compile_mode="default")
-        decoder.step.regions = regions
+        decoder.step.regions, decoder.step.freezing = regions, False
         decoder.forward(PROMPT)
         return decoder.step, decoder.forward([7])
 

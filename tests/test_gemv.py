@@ -2,6 +2,8 @@
 (same weights, same export), give the dequantized product, the bf16 one the plain product; a row's output does not
 depend on the rows beside it; bf16 layers run ``bf16gemv`` for decode rows, eager and compiled; every kernel is left
 out with the reason where it cannot run."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,3 +184,39 @@ def test_fused_linears_give_each_layers_own_rows(tiny_llama_dir, scheme, kernel)
         weight = fused.buffers[0]
         weight[:k_size] = weight[q_size:q_size + k_size].clone()  # k's blocks where q's first ones were
         assert not torch.equal(step(x)[0], own[0])
+
+
+@RUNS
+def test_the_speed_verdicts_follow_the_thread_count(monkeypatch):
+    """Whether a GEMV kernel is used is decided from timings, which are kept per torch thread count
+    (``hardware.json``), and so is the verdict: a process that asked on two threads and then runs on one (the
+    suite's one-thread modules) gets the one-thread verdict (on an AMX Xeon bf16gemv lost to oneDNN on two threads:
+    a step built on one thread was frozen for it). Negative control: the verdict cached once per process, as it was,
+    keeps the first."""
+    import functools
+
+    from runtime import hardware
+
+    def timed(name, makers, n, k, **_):  # the kernel's own first on one thread, last on two
+        mine, theirs = makers
+        return {mine: 1.0, theirs: 2.0} if torch.get_num_threads() == 1 else {mine: 2.0, theirs: 1.0}
+
+    monkeypatch.setattr(packed_linear, "streamed_decode_us", timed)
+    monkeypatch.setattr(hardware, "streamed_decode_us", timed)
+    verdicts = {"bf16gemv": lambda: packed_linear.gemv_missing(), "int8gemv": lambda: gemv_missing("int8gemv")}
+    once = functools.cache(packed_linear._gemv_verdict.__wrapped__)
+    threads = torch.get_num_threads()
+    packed_linear._gemv_verdict.cache_clear()
+    gemv_missing.cache_clear()
+    try:
+        answers = []
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            answers.append({name: verdict() for name, verdict in verdicts.items()} | {"once": once(Path())})
+    finally:
+        torch.set_num_threads(threads)
+        packed_linear._gemv_verdict.cache_clear()
+        gemv_missing.cache_clear()
+    assert all("slower than" in why for why in answers[0].values())
+    assert answers[1]["bf16gemv"] is None and answers[1]["int8gemv"] is None
+    assert answers[1]["once"] == answers[0]["once"]  # negative control
