@@ -95,3 +95,22 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
     common = one.keys() & both.keys()
     assert Config(model="default").quality_key in common  # the reference is trial 0 of both
     assert {k: one[k] for k in common} == {k: both[k] for k in common}
+
+
+def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model_dir, data_dir):
+    """Every cache span is a compiled step built again (minutes each on some CPUs): the demo's natural-length runs
+    read only the spans its timed runs read. Negative control: the search's default gate (256 tokens) adds two."""
+    import quantspec
+    from runtime.compiled import cache_span
+    from runtime.loading import load_tokenizer
+    from serving.workloads import build_requests
+
+    _, evaluator = quantspec.demo_settings(data_dir=str(data_dir))
+    requests, _ = build_requests(evaluator.workload, load_tokenizer(default_model_dir), evaluator.num_prompts,
+                                 evaluator.output_len, True, data_dir)
+
+    def spans(output_len: int) -> set[int]:
+        return {cache_span(len(r.prompt_ids) + output_len, 2048) for r in requests}
+
+    assert spans(evaluator.length_tokens) == spans(evaluator.output_len)
+    assert len(spans(256) | spans(evaluator.output_len)) > len(spans(evaluator.output_len))  # negative control
