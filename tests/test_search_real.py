@@ -103,6 +103,7 @@ def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model
     import quantspec
     from runtime.compiled import cache_span
     from runtime.loading import load_tokenizer
+    from serving.backends.base import ServingConfig
     from serving.workloads import build_requests
 
     _, evaluator = quantspec.demo_settings(data_dir=str(data_dir))
@@ -110,7 +111,7 @@ def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model
                                  evaluator.output_len, True, data_dir)
 
     def spans(output_len: int) -> set[int]:
-        return {cache_span(len(r.prompt_ids) + output_len, 2048) for r in requests}
+        return {cache_span(len(r.prompt_ids) + output_len, ServingConfig.max_model_len) for r in requests}
 
     assert spans(evaluator.length_tokens) == spans(evaluator.output_len)
     assert len(spans(256) | spans(evaluator.output_len)) > len(spans(evaluator.output_len))  # negative control
