@@ -150,6 +150,21 @@ class Int8PackKernel(Kernel):
         return self.weight, scale, torch.zeros_like(scale, dtype=torch.int8)
 
 
+@torch.library.custom_op("quantspec::int4pack_mm", mutates_args=())
+def int4pack_mm(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+                ) -> torch.Tensor:
+    """torch's int4pack product as an op inductor calls as it is. Lowered, it failed inside per-block regions
+    (torch 2.13: "group size must be a scalar"), so int4pack steps built unrolled (80-160 s per step and span on the
+    default model), and in max-autotune its GEMM template ran an AMX micro-kernel from 5 rows up, so verification
+    rows differed from the one-token step's."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros)
+
+
+@int4pack_mm.register_fake
+def _(x, weight, group_size, scales_and_zeros):
+    return x.new_empty(*x.shape[:-1], scales_and_zeros.shape[1])
+
+
 @register_kernel
 class Int4PackKernel(Kernel):
     """Group-wise int4 in torch's CPU tinygemm layout.
@@ -159,7 +174,6 @@ class Int4PackKernel(Kernel):
     ``u = q + 8`` and ``t = -z * s`` (rounded to bf16 once, like ``s``)."""
 
     name, priority, scale_bytes, devices = "int4pack", 10, 2, ("cpu",)  # torch's CPU tinygemm layout
-    mm = staticmethod(torch.ops.aten._weight_int4pack_mm_for_cpu)
 
     @classmethod
     def supports(cls, spec, act, out_features, in_features):
@@ -184,6 +198,12 @@ class Int4PackKernel(Kernel):
     def pack(self, unsigned: torch.Tensor) -> torch.Tensor:
         """The unsigned codes [N, K] in 0..15 in this kernel's tiled layout."""
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+
+    @staticmethod
+    def mm(x, weight, group_size, scales_and_zeros):
+        """torch's kernel; in a compiled step, through ``int4pack_mm``."""
+        mm = int4pack_mm if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x, weight, group_size, scales_and_zeros)
 
     def forward(self, x):
         return self.mm(x.to(FAST_DTYPE), self.weight, self.group_size, self.scales_and_zeros).to(x.dtype)

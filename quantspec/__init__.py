@@ -76,13 +76,16 @@ def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int |
     """(SearchSettings, evaluator) of the small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the
     default model, floor 0.9 of the reference's arc_easy accuracy on 50 items, a fresh study in runs/demo. Its
     length gate runs to 128 tokens, not 256: its two prompts (95 and 517 tokens) then read the cache spans the
-    timed runs read (256, 768), where 256 added two more (512, 1024), each compiled step built again per span."""
+    timed runs read (256, 768), where 256 added two more (512, 1024), each compiled step built again per span. Its
+    steps compile in inductor's ``default`` mode, chosen by cost: on an AMX Xeon max-autotune's frozen bf16 steps
+    build unrolled (no GEMM template inside a region), 127-143 s per span against default's 14-18 s, and its
+    reference trial took 316 s against 110 s."""
     require_optuna("quantspec.demo_settings")
     from studies.search import SearchSettings
 
     settings = SearchSettings(space=load_space("demo"), floor="0.9", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
     return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads,
-                                    length_tokens=128)
+                                    length_tokens=128, compile="default")
 
 
 def summarize(study) -> StudySummary:

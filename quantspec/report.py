@@ -586,7 +586,7 @@ def footer_lines(summary: StudySummary) -> list[str]:
 # How the plot marks a row that breaks a constraint (one overlay per broken constraint, so a row that fails two
 # gates shows both) and one whose speed is noisy: constraint -> (legend text, marker style).
 INFEASIBLE_MARKERS = {
-    "quality_floor": ("infeasible: below the quality floor", dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
+    "quality_floor": ("infeasible: quality floor not shown to hold", dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
     "length_band": ("infeasible: output length outside the band",
                     dict(marker="s", ms=13, mfc="none", mec="tab:purple", mew=1.5)),
     "exactness": ("infeasible: greedy outputs differ from its non-speculative twin",

@@ -288,7 +288,7 @@ class CompiledStep:
     def _build(self, tokens: torch.Tensor, input_pos: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step's outputs, per-block regions tried first. Some kernels do not build or run inside a
         region, where the weights are the region's inputs, not frozen constants (in max-autotune, fp32's and
-        int8pack's linears have no GEMM template left to choose; int4pack's op fails on its first call): such a step
+        int8pack's linears have no GEMM template left to choose): such a step
         builds as one unrolled graph (``regions`` says which ran; the retry rewrites the same cache positions)."""
         if self.regions is not False:
             try:

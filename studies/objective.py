@@ -39,6 +39,8 @@ class QualityResult:
     perplexity: float | None = None
     task: str | None = None  # the task that decided the verdict (the worst one when several)
     record: dict | None = None  # the RunRecord that produced the numbers
+    decidable: bool = True  # False: even the reference's own answers on these items could not pass the floor
+    items_to_decide: int | None = None  # when not decidable: about how many items would decide it (None: no number)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -179,7 +181,8 @@ class RealEvaluator:
             value=value(worst), passes=report.passed, accuracy=worst.acc_test, reference_accuracy=worst.acc_ref,
             delta=worst.delta, ci=tuple(worst.delta_ci), flips=worst.flips.total,
             kl=fid.mean_kl if fid else (0.0 if not config.quantized_weights and config.kv == "none" else None),
-            perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict())
+            perplexity=fid.ppl_test if fid else None, task=task, record=report.record.to_dict(),
+            decidable=worst.decidable, items_to_decide=worst.items_to_decide)
 
     def _report(self, config: Config):
         """lm-eval on what the point's backend says its quality is (``Backend.quality_plan``: the transformation
@@ -212,10 +215,11 @@ class RealEvaluator:
     def speed(self, config: Config) -> SpeedResult:
         serving = serving_config(config, threads=self.threads, compile=self.compile)
         t0 = time.perf_counter()
-        # the resident reference engine, opened (and built, when compiled) once, before this point's own engine
-        opened = self._unpaired_reason(config) is None and self._reference is None
+        # the resident reference engine, opened (and built, when compiled) once, before this point's own engine; its
+        # steps of spans this point's requests reach first are built in this point's runs: all are compile_s
+        built_before = _compile_s(self._reference) if self._reference is not None else 0.0
         reference = None if self._unpaired_reason(config) else self._reference_backend()
-        reference_build_s = _compile_s(reference) if opened else 0.0
+        opening_build_s = _compile_s(reference) - built_before if reference is not None else 0.0
         t_reference = time.perf_counter()
         # the reference point runs on the resident reference engine when points are paired with it
         own = reference is None or config != self.reference
@@ -245,8 +249,10 @@ class RealEvaluator:
                                      "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts)}
         record = result.record.to_dict()
         own_build_s = _compile_s(backend) if own else 0.0  # built in its warm-up, inside bench_s
-        extra = {"reference_start_s": t_reference - t0 - reference_build_s, "engine_start_s": t1 - t_reference,
-                 "bench_s": t2 - t1 - own_build_s, "compile_s": own_build_s + reference_build_s,
+        reference_build_s = _compile_s(reference) - built_before if reference is not None else 0.0
+        extra = {"reference_start_s": t_reference - t0 - opening_build_s, "engine_start_s": t1 - t_reference,
+                 "bench_s": t2 - t1 - own_build_s - (reference_build_s - opening_build_s),
+                 "compile_s": own_build_s + reference_build_s,
                  "paired_s": t_natural - t_paired, "length_run_s": t2 - t_natural}
         if paired is None:
             record["results"]["paired"] = {"granularity": self._unpaired_reason(config)}

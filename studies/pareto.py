@@ -119,6 +119,15 @@ def _load_text(load: dict | None) -> str | None:
     return load_line(load) if load else None
 
 
+def _floor_reason(quality: dict) -> str:
+    """Why a row fails the quality floor: below it, or undecidable at the items scored (``QualityResult``)."""
+    if quality.get("decidable", True):
+        return "below the quality floor"
+    more = (f"about {quality['items_to_decide']} items (--limit) would decide it" if quality.get("items_to_decide")
+            else "only a configuration beating the reference could pass")
+    return f"quality floor undecidable at these items (even the reference's answers could not pass it); {more}"
+
+
 def _row(trial: optuna.trial.FrozenTrial) -> Row:
     attrs = trial.user_attrs
     config = attrs.get("config") or {}
@@ -146,7 +155,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
         if value > 0:
             row.failed_constraints.append(name)
             row.infeasible_because.append(
-                "below the quality floor" if name == "quality_floor" else
+                _floor_reason(quality) if name == "quality_floor" else
                 f"quality not applicable ({basis.get('why', 'outputs differ')})" if name == "exactness" else
                 f"output length {length.get('ratio', float('nan')):.2f}x the reference's, outside "
                 f"{length.get('band')}" if name == "length_band" else name)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import require_bf16_exact
+from conftest import make_tiny_llama, require_bf16_exact
 from quant.gemv import cpu_kernel
 from quant.kvcache import make_cache_factory
 from quant.quantize import quantize_model
@@ -409,26 +409,20 @@ def test_dynamo_traces_one_block_and_stamps_it_out_for_the_others(tiny_bf16, mon
 
 
 def test_a_model_whose_kernel_fails_in_a_region_builds_its_steps_unrolled(tiny_llama_dir, one_thread):
-    """torch's int4pack op fails on its first call inside a region: the one-token step builds unrolled, still compiled,
-    and the model's verification steps go unrolled straight away (one graph built, no region tried first). Negative
-    control: int4gemv builds in regions."""
-    from quant.qlinear import QuantizedLinear
-
-    lm = load_model(tiny_llama_dir, "bf16")
-    quantize_model(lm, "w4g32-sym", progress=False)
-    regional = Decoder(lm, max_len=64, compile_mode="default")
-    regional.generate(PROMPT, 2, ignore_eos=True)
-    for layer in lm.model.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.use_kernel("int4pack")
-    decoder = Decoder(lm, max_len=64, compile_mode="default")
+    """In max-autotune, fp32's linears have no GEMM template left to choose inside a region (the weights are its
+    inputs there): the one-token step builds unrolled, still compiled, and the model's verification steps go unrolled
+    straight away (one graph built, no region tried first). Negative control: mode "default" builds regions."""
+    lm = load_model(tiny_llama_dir, "fp32")
+    decoder = Decoder(lm, max_len=64, compile_mode=DEFAULT_MODE)
     decoder.generate(PROMPT, 2, ignore_eos=True)
     assert (decoder.step.regions, decoder.step.fallback) == (False, None)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     decoder.forward(PROMPT[:3], compiled=True)
     assert decoder.steps[3].regions is False and decoder.steps[3].fallback is None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
-    assert regional.step.regions is (cpu_kernel(4) == "int4gemv")
+    regional = Decoder(lm, max_len=64, compile_mode="default")
+    regional.generate(PROMPT, 2, ignore_eos=True)
+    assert regional.step.regions is True
 
 
 class PerturbedVerify(CompiledStep):
@@ -475,6 +469,38 @@ def test_one_verification_step_serves_every_draft_length(tiny_bf16, tiny_llama_d
     eager = SpeculativeDecoder(tiny_bf16, "ngram:min=1,max=2", K, max_len=64)
     eager.prepare(PROMPT, K)
     assert eager.decoder.steps == {} and eager.differing == {}
+
+
+def test_int4pack_steps_build_in_regions_with_the_one_token_steps_rows(tmp_path, one_thread, monkeypatch):
+    """int4pack's product runs as an op inductor does not lower (``quant.qlinear.int4pack_mm``): its steps build in
+    per-block regions, and a 5-row verification step's rows are bitwise the one-token step's. Negative control: the
+    lowered op builds unrolled (it fails inside a region), and on an AMX CPU max-autotune's int4 template ran another
+    micro-kernel from 5 rows up, so every verification row differed (its regions built there). Two layers whose
+    projections fit that template (widths multiples of 64)."""
+    from quant.qlinear import Int4PackKernel, QuantizedLinear
+
+    path = make_tiny_llama(tmp_path / "int4", hidden_size=192, intermediate_size=256, num_attention_heads=6,
+                           num_key_value_heads=2, num_hidden_layers=2)
+    lm = load_model(path, "bf16", attn_implementation="eager")
+    require_bf16_exact(lm)
+    quantize_model(lm, "w4g32-sym", progress=False)
+    for layer in lm.model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.use_kernel("int4pack")
+
+    def probe(k=4):
+        spec = SpeculativeDecoder(lm, "ngram:min=1,max=2", k, max_len=64, compile_mode=DEFAULT_MODE)
+        reason = spec.prepare(PROMPT, k)
+        return spec.decoder.step.regions, reason, spec.differing[k + 1, 64]
+
+    assert probe() == (True, None, 0)
+    monkeypatch.setattr(Int4PackKernel, "mm", staticmethod(torch.ops.aten._weight_int4pack_mm_for_cpu))
+    lowered = Decoder(lm, max_len=64, compile_mode="default")
+    lowered.generate(PROMPT, 2, ignore_eos=True)
+    assert lowered.step.regions is False  # "group size must be a scalar" inside the region
+    if torch.cpu._is_amx_tile_supported():
+        _, reason, differing = probe()
+        assert differing == 5 and "differ bitwise" in reason
 
 
 def test_compiled_fp32_greedy_speculation_is_refused_in_one_line(tiny, tiny_llama_dir):

@@ -152,7 +152,7 @@ def test_pareto_figure_axes_reasons_front_and_labels():
     bars = errorbars(ax)  # every point with both CIs as error bars
     assert len(bars) == len(summary.rows) and all(b.has_xerr and b.has_yerr for b in bars)
     texts = legend_texts(ax)
-    for needle in ("below the quality floor", "output length outside the band", "differ from its non-speculative twin",
+    for needle in ("quality floor not shown to hold", "output length outside the band", "differ from its non-speculative twin",
                    "speed noisy", "Pareto front", "quality floor 0.98"):
         assert any(needle in t for t in texts), needle
     floor = series(ax, "infeasible:quality_floor")
@@ -177,22 +177,29 @@ def test_pareto_figure_axes_reasons_front_and_labels():
 
 
 def test_pareto_rows_record_which_gate_failed_from_trial_constraints(tmp_path):
-    """A trial failing only the length gate is infeasible for its length, never drawn as below the floor."""
+    """A trial failing only the length gate is infeasible for its length, never drawn as below the floor; one whose
+    floor no answers could pass at the items scored says so, not that it fell below."""
     study = optuna.create_study(directions=["maximize"])
     study.set_user_attr("reference", REFERENCE)
     for number, (config, constraints) in enumerate((
             (REFERENCE, {"quality_floor": -0.01, "length_band": -0.1}),
             ({"weights": "w8"}, {"quality_floor": -0.01, "length_band": 0.2}),
-            ({"weights": "w4"}, {"quality_floor": 0.05, "length_band": -0.1}))):
+            ({"weights": "w4"}, {"quality_floor": 0.05, "length_band": -0.1}),
+            ({"weights": "w4g32"}, {"quality_floor": 0.05, "length_band": -0.1}))):
+        undecided = {"decidable": False, "items_to_decide": 100} if config["weights"] == "w4g32" else {}
         study.add_trial(optuna.create_trial(value=20.0 + number, user_attrs={
             "config": config, "label": config["weights"], "speed": {"tok_s": 20.0 + number},
-            "quality": {"value": 1.0, "accuracy": 0.5, "delta": 0.0, "ci": [-0.01, 0.01], "task": "arc_easy"},
+            "quality": {"value": 1.0, "accuracy": 0.5, "delta": 0.0, "ci": [-0.01, 0.01], "task": "arc_easy",
+                        **undecided},
             "length": {"ratio": 1.3, "band": [0.9, 1.1]}},
             system_attrs={f"constraints:{k}": v for k, v in constraints.items()}))
     summary = summarize(study)
     by_label = {r.label: r for r in summary.rows}
     assert by_label["w8"].failed_constraints == ["length_band"] and by_label["w4"].failed_constraints == ["quality_floor"]
     assert by_label["none"].task == "arc_easy"
+    assert by_label["w4"].infeasible_because == ["below the quality floor"]
+    (undecided,) = by_label["w4g32"].infeasible_because
+    assert "undecidable" in undecided and "about 100 items (--limit)" in undecided
     ax = figure_pareto(summary).axes[0]
     w8 = (by_label["w8"].speedup, 0.0)
     assert w8 in series(ax, "infeasible:length_band") and w8 not in series(ax, "infeasible:quality_floor")

@@ -39,6 +39,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
         return
     quality = ref.user_attrs["quality"]
     assert quality["passes"] and quality["value"] >= 0.9 and quality["flips"] == 0 and quality["delta"] == 0
+    assert quality["decidable"] is True and quality["items_to_decide"] is None  # the floor test's, carried along
     assert ref.user_attrs["quality_basis"]["kind"] == "measured"
     assert ref.constraints["quality_floor"] == pytest.approx(0.9 - quality["value"])
     assert ref.user_attrs["speed"]["tok_s"] > 0 and ref.user_attrs["record"]["engine"]["backend"] == "native"
