@@ -74,7 +74,10 @@ def search(settings: SearchSettings, evaluator, on_trial=None, on_wait=None) -> 
 
 def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int | None = None):
     """(SearchSettings, evaluator) of the small search ``quantspec demo`` runs: studies/spaces/demo.yaml on the
-    default model, floor 0.9 of the reference's arc_easy accuracy on 50 items, a fresh study in runs/demo. Its
+    default model, floor 0.8 of the reference's arc_easy accuracy on 50 items, a fresh study in runs/demo. The
+    floor is what 50 items can decide: at the reference's ~45% there, 0.9 could be shown for no configuration (even
+    the reference's own answers fell short of it: about 100 items would decide it), so every quantized point read
+    infeasible whatever its flips; 0.8 passes the reference's answers with room for a lost item or two. Its
     length gate runs to 128 tokens, not 256: its two prompts (95 and 517 tokens) then read the cache spans the
     timed runs read (256, 768), where 256 added two more (512, 1024), each compiled step built again per span. Its
     steps compile in inductor's ``default`` mode, chosen by cost: on an AMX Xeon max-autotune's frozen bf16 steps
@@ -83,7 +86,7 @@ def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int |
     require_optuna("quantspec.demo_settings")
     from studies.search import SearchSettings
 
-    settings = SearchSettings(space=load_space("demo"), floor="0.9", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
+    settings = SearchSettings(space=load_space("demo"), floor="0.8", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
     return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads,
                                     length_tokens=128, compile="default")
 
