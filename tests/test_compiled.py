@@ -408,23 +408,6 @@ def test_dynamo_traces_one_block_and_stamps_it_out_for_the_others(tiny_bf16, mon
     assert torch.equal(logits, frozen_logits)
 
 
-def test_a_model_whose_kernel_fails_in_a_region_builds_its_steps_unrolled(tiny_llama_dir, one_thread):
-    """In max-autotune, fp32's linears have no GEMM template left to choose inside a region (the weights are its
-    inputs there): the one-token step builds unrolled, still compiled, and the model's verification steps go unrolled
-    straight away (one graph built, no region tried first). Negative control: mode "default" builds regions."""
-    lm = load_model(tiny_llama_dir, "fp32")
-    decoder = Decoder(lm, max_len=64, compile_mode=DEFAULT_MODE)
-    decoder.generate(PROMPT, 2, ignore_eos=True)
-    assert (decoder.step.regions, decoder.step.fallback) == (False, None)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    decoder.forward(PROMPT[:3], compiled=True)
-    assert decoder.steps[3].regions is False and decoder.steps[3].fallback is None
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
-    regional = Decoder(lm, max_len=64, compile_mode="default")
-    regional.generate(PROMPT, 2, ignore_eos=True)
-    assert regional.step.regions is True
-
-
 class PerturbedVerify(CompiledStep):
     """A compiled step whose multi-token logits have their last row shifted by 0.25 (argmax unchanged)."""
 
@@ -474,8 +457,9 @@ def test_one_verification_step_serves_every_draft_length(tiny_bf16, tiny_llama_d
 def test_int4pack_steps_build_in_regions_with_the_one_token_steps_rows(tmp_path, one_thread, monkeypatch):
     """int4pack's product runs as an op inductor does not lower (``quant.qlinear.int4pack_mm``): its steps build in
     per-block regions, and a 5-row verification step's rows are bitwise the one-token step's. Negative control: the
-    lowered op builds unrolled (it fails inside a region), and on an AMX CPU max-autotune's int4 template ran another
-    micro-kernel from 5 rows up, so every verification row differed (its regions built there). Two layers whose
+    lowered op fails inside a region, so the one-token step builds unrolled, still compiled, and the model's other
+    steps go unrolled straight away (one graph built, no region tried first); and on an AMX CPU max-autotune's int4
+    template ran another micro-kernel from 5 rows up, so every verification row differed. Two layers whose
     projections fit that template (widths multiples of 64)."""
     from quant.qlinear import Int4PackKernel, QuantizedLinear
 
@@ -497,7 +481,11 @@ def test_int4pack_steps_build_in_regions_with_the_one_token_steps_rows(tmp_path,
     monkeypatch.setattr(Int4PackKernel, "mm", staticmethod(torch.ops.aten._weight_int4pack_mm_for_cpu))
     lowered = Decoder(lm, max_len=64, compile_mode="default")
     lowered.generate(PROMPT, 2, ignore_eos=True)
-    assert lowered.step.regions is False  # "group size must be a scalar" inside the region
+    assert (lowered.step.regions, lowered.step.fallback) == (False, None)  # "group size must be a scalar" in a region
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    lowered.forward(PROMPT[:3], compiled=True)
+    assert lowered.steps[3].regions is False and lowered.steps[3].fallback is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     if torch.cpu._is_amx_tile_supported():
         _, reason, differing = probe()
         assert differing == 5 and "differ bitwise" in reason
