@@ -192,6 +192,12 @@ def items_to_decide(ref: np.ndarray, floor: Floor, confidence: float) -> int | N
     return int(_SCALES[passes.argmax()] * len(ref)) if passes.any() else 0
 
 
+def how_to_decide(needed: int | None) -> str:
+    """What would decide an undecidable floor, from ``FloorResult.items_to_decide`` (None: no number of items)."""
+    return (f"about {needed} items (--limit) would decide it" if needed else
+            "no number of items decides it: only a configuration beating the reference could pass")
+
+
 def check_floor(test, ref, floor: Floor, confidence: float = 0.95, n_boot: int = 10_000, seed: int = 0,
                 identical: bool = False) -> FloorResult:
     """Paired per-item comparison of a configuration against the reference; see the module docstring.

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from evals.config import DEFAULT_BACKEND
-from evals.floor import Floor
+from evals.floor import Floor, how_to_decide
 from evals.record import RunRecord
 from runtime.errors import UserError
 from runtime.measure import BOOTSTRAP_RESAMPLES, CONFIDENCE, load_line, with_ci
@@ -395,10 +395,8 @@ def print_eval_report(report) -> None:
     console.print(f"verdict: [bold {colour}]{report.verdict.upper()}[/] ({floor})")
     undecided = report.comparison if report.verdict == "undecidable" else {}
     for task, c in ((t, c) for t, c in undecided.items() if not c.decidable):
-        more = f"about {c.items_to_decide} items (--limit) would decide it" if c.items_to_decide else \
-            "no number of items decides it: only a configuration beating the reference could pass"
         console.print(f"  {task}: at n={c.n} even answers equal to the reference's on every item could not "
-                      f"pass {c.floor}; {more}")
+                      f"pass {c.floor}; {how_to_decide(c.items_to_decide)}")
     four_bit = caveat_applies(report.record.to_dict())
     for line in report.notes:
         if four_bit or not line.startswith("default model:"):  # the Q4_1 note only beside 4-bit results
@@ -586,7 +584,8 @@ def footer_lines(summary: StudySummary) -> list[str]:
 # How the plot marks a row that breaks a constraint (one overlay per broken constraint, so a row that fails two
 # gates shows both) and one whose speed is noisy: constraint -> (legend text, marker style).
 INFEASIBLE_MARKERS = {
-    "quality_floor": ("infeasible: quality floor not shown to hold", dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
+    "quality_floor": ("infeasible: quality floor not shown to hold",
+                      dict(marker="v", ms=9, mfc="tab:red", mec="tab:red")),
     "length_band": ("infeasible: output length outside the band",
                     dict(marker="s", ms=13, mfc="none", mec="tab:purple", mew=1.5)),
     "exactness": ("infeasible: greedy outputs differ from its non-speculative twin",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import optuna
 
+from evals.floor import how_to_decide
 from evals.record import write_json_atomic
 from runtime.model_store import DEFAULT_MODEL, SMOLLM2, is_default_model
 from runtime.errors import UserError
@@ -123,9 +124,8 @@ def _floor_reason(quality: dict) -> str:
     """Why a row fails the quality floor: below it, or undecidable at the items scored (``QualityResult``)."""
     if quality.get("decidable", True):
         return "below the quality floor"
-    more = (f"about {quality['items_to_decide']} items (--limit) would decide it" if quality.get("items_to_decide")
-            else "only a configuration beating the reference could pass")
-    return f"quality floor undecidable at these items (even the reference's answers could not pass it); {more}"
+    return ("quality floor undecidable at these items (even the reference's answers could not pass it); "
+            f"{how_to_decide(quality.get('items_to_decide'))}")
 
 
 def _row(trial: optuna.trial.FrozenTrial) -> Row:

@@ -152,8 +152,8 @@ def test_pareto_figure_axes_reasons_front_and_labels():
     bars = errorbars(ax)  # every point with both CIs as error bars
     assert len(bars) == len(summary.rows) and all(b.has_xerr and b.has_yerr for b in bars)
     texts = legend_texts(ax)
-    for needle in ("quality floor not shown to hold", "output length outside the band", "differ from its non-speculative twin",
-                   "speed noisy", "Pareto front", "quality floor 0.98"):
+    for needle in ("quality floor not shown to hold", "output length outside the band",
+                   "differ from its non-speculative twin", "speed noisy", "Pareto front", "quality floor 0.98"):
         assert any(needle in t for t in texts), needle
     floor = series(ax, "infeasible:quality_floor")
     assert floor == {point[2], point[4]}
