@@ -77,9 +77,11 @@ def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int |
     default model, floor 0.8 of the reference's arc_easy accuracy on 50 items, a fresh study in runs/demo. The
     floor is what 50 items can decide: at the reference's ~45% there, 0.9 could be shown for no configuration (even
     the reference's own answers fell short of it: about 100 items would decide it), so every quantized point read
-    infeasible whatever its flips; 0.8 passes the reference's answers with room for a lost item or two. Its
-    length gate runs to 128 tokens, not 256: its two prompts (95 and 517 tokens) then read the cache spans the
-    timed runs read (256, 768), where 256 added two more (512, 1024), each compiled step built again per span. Its
+    infeasible whatever its flips; 0.8 passes the reference's answers with room for a lost item or two. Speed is
+    one Spec-Bench prompt (95 tokens) x 64 tokens: one cache span (256) per configuration, where the second prompt
+    (517 tokens x 32) built every step again over 768 positions and its prefill outweighed the decode being ranked
+    (a search of 12 min in CI on an AMX Xeon, 7.9 min after this). Its length gate runs to 128 tokens, not 256:
+    the prompt's run then reads the timed runs' span, where 256 reached one more (512). Its
     steps compile in inductor's ``default`` mode, chosen by cost: on an AMX Xeon max-autotune's frozen bf16 steps
     build unrolled (no GEMM template inside a region), 127-143 s per span against default's 14-18 s, and its
     reference trial took 316 s against 110 s."""
@@ -87,7 +89,7 @@ def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int |
     from studies.search import SearchSettings
 
     settings = SearchSettings(space=load_space("demo"), floor="0.8", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
-    return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=2, output_len=32, threads=threads,
+    return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=1, output_len=64, threads=threads,
                                     length_tokens=128, compile="default")
 
 

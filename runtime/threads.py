@@ -5,7 +5,9 @@ another process on one core, the spinning thread waits for a descheduled one at 
 default model, bf16, AMD EPYC AVX-512: 2 threads 33.8 tok/s idle, 8-9 with one core busy; 1 thread 27 and 28).
 So ``choose_threads`` times a short probe (milliseconds: the model's one-token forward) on each candidate count,
 interleaved, and keeps the fastest; the choice, its timings and the load are recorded in every run record.
-``--threads`` overrides it. The OpenMP wait policy is read once when torch starts, so it is recorded, not chosen.
+``--threads`` overrides it; ``OMP_NUM_THREADS``, where set, caps the candidates as it caps torch's own default (a
+process told to use one core, e.g. each of two test workers on two cores, is not handed two). The OpenMP wait
+policy is read once when torch starts, so it is recorded, not chosen.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ PREFER_MARGIN = 0.10  # fewer threads must beat all cores by this much to be cho
 @dataclass
 class ThreadChoice:
     threads: int
-    how: str  # "probe" | "--threads" | "one core"
+    how: str  # "probe" | "--threads" | "one core" | "OMP_NUM_THREADS=n"
     probe_ms: dict[int, float] = field(default_factory=dict)  # candidate -> median probe time
     load: dict = field(default_factory=dict)
     wait_policy: str = field(default_factory=lambda: os.environ.get("OMP_WAIT_POLICY", "unset (torch default: active)"))
@@ -40,9 +42,15 @@ class ThreadChoice:
         return f"{self.threads} thread(s) ({self.how}{'; probe ' + timings if timings else ''})"
 
 
+def omp_cap() -> int | None:
+    """``OMP_NUM_THREADS`` where it is set to a positive count (None otherwise)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def candidates(cpus: int | None = None) -> list[int]:
-    """Thread counts worth probing: all usable cores, one fewer, half, and one."""
-    n = cpus or cpus_available()
+    """Thread counts worth probing: all usable cores (at most ``OMP_NUM_THREADS``), one fewer, half, and one."""
+    n = cpus or min(cpus_available(), omp_cap() or cpus_available())
     return sorted({n, max(1, n - 1), max(1, n // 2), 1}, reverse=True)
 
 
@@ -54,7 +62,9 @@ def choose_threads(work: Callable[[], object], options: list[int] | None = None,
     window = LoadWindow.start()
     if len(options) == 1:
         torch.set_num_threads(options[0])
-        return ThreadChoice(options[0], "one core", load=window.stop().to_dict())
+        cap = omp_cap()
+        how = f"OMP_NUM_THREADS={cap}" if cap == options[0] and cap < cpus_available() else "one core"
+        return ThreadChoice(options[0], how, load=window.stop().to_dict())
     times: dict[int, list[float]] = {n: [] for n in options}
     for n in options:
         torch.set_num_threads(n)

@@ -151,6 +151,24 @@ def test_thread_choice_follows_the_probe(cost, best):
         torch.set_num_threads(before)
 
 
+def test_omp_num_threads_caps_the_thread_candidates(monkeypatch):
+    """A process told to use one core (OMP_NUM_THREADS=1, as each of `make test`'s two workers is) is not probed
+    onto two, which spin-wait for the core the other worker holds. Negative control: unset, both counts are tried."""
+    from runtime import threads
+
+    monkeypatch.setattr(threads, "cpus_available", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.candidates() == [2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    try:
+        assert threads.candidates() == [1]
+        choice = choose_threads(lambda: None)
+        assert (choice.threads, choice.how, torch.get_num_threads()) == (1, "OMP_NUM_THREADS=1", 1)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_thread_probe_leaves_the_models_cache_as_it_was(tiny_llama_dir):
     """The probe runs one-token forwards on a scratch cache; a decode in progress continues unchanged.
     Negative control: without restoring, the rope tables shrink to the probe's 8 positions and the decode fails."""
