@@ -50,7 +50,8 @@ def omp_cap() -> int | None:
 
 def candidates(cpus: int | None = None) -> list[int]:
     """Thread counts worth probing: all usable cores (at most ``OMP_NUM_THREADS``), one fewer, half, and one."""
-    n = cpus or min(cpus_available(), omp_cap() or cpus_available())
+    available = cpus_available()
+    n = cpus or min(available, omp_cap() or available)
     return sorted({n, max(1, n - 1), max(1, n // 2), 1}, reverse=True)
 
 

@@ -91,10 +91,10 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
     stored = sorted(k.split("/", 1)[1] for k in two.user_attrs if k.startswith("quality/"))
     assert measurements(log, "quality") == stored  # each transformation measured once between the two workers
 
-    def feasible(study) -> dict[str, tuple]:
+    def verdicts(study) -> dict[str, tuple]:
         return {Config(**r.config).quality_key: (r.accuracy, r.flips, r.feasible) for r in summarize(study).measured}
 
-    one, both = feasible(load(sqlite_url)), feasible(two)
+    one, both = verdicts(load(sqlite_url)), verdicts(two)
     common = one.keys() & both.keys()
     assert Config(model="default").quality_key in common  # the reference is trial 0 of both
     assert {k: one[k] for k in common} == {k: both[k] for k in common}
