@@ -17,7 +17,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch._dynamo
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize

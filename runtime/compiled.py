@@ -30,7 +30,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
 
 from runtime.errors import UserError
 from runtime.hardware import probe
@@ -261,7 +260,8 @@ class CompiledStep:
                 with torch._inductor.config.patch(self._config), quiet_autotune():
                     out = self._build(tokens, input_pos, span)
                 return tuple(t.clone() for t in out) if self._copy_out else out
-            except TorchDynamoException as err:  # a graph break or a failed compile: raised before anything ran
+            # a graph break or a failed compile: raised before anything ran (torch._dynamo loads on first use)
+            except torch._dynamo.exc.TorchDynamoException as err:
                 self.fallback = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"[:200]
                 print(f"compiled decode step: does not compile to one graph, running eager ({self.fallback})")
             finally:
@@ -296,7 +296,7 @@ class CompiledStep:
                                            not self.freezing)
                 self.regions = True
                 return out
-            except (TorchDynamoException, RuntimeError):
+            except (torch._dynamo.exc.TorchDynamoException, RuntimeError):
                 if self.regions:  # built and ran before: not the region's build
                     raise
                 self.regions = False

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from scipy.stats import binomtest
 
 from evals.build import as_checkpoint, model_weights_hash
 from evals.harness import EvalConfig, TaskResult, score_tasks, task_manager
@@ -89,6 +88,8 @@ def _diff_task(task: str, a: TaskResult, b: TaskResult, tokenizer) -> TaskDiff:
         diffs.append(diff)
     only_a = sum(a.items[d] > b.items[d] for d in shared)
     only_b = sum(b.items[d] > a.items[d] for d in shared)
+    from scipy.stats import binomtest  # here: scipy.stats costs every CLI start 0.7 s
+
     p = binomtest(only_a, only_a + only_b).pvalue if only_a + only_b else 1.0
     return TaskDiff(task, a.output_type, len(shared),
                     (sum(a.items[d] for d in shared) / len(shared), sum(b.items[d] for d in shared) / len(shared)),

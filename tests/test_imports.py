@@ -205,3 +205,28 @@ def test_negative_control_backend_rules_catch_their_breaches(tmp_path):
     assert any(line.startswith("low.flipped:2 compares with the backend name 'fast'") for line in found)
     assert not any(line.startswith(("top.ok", "srv.", "low.other")) for line in found)
     assert len(found) == 5  # top.member: two comparisons (a bare constant, a list element), one line each
+
+
+# libraries the CLI's start does not load: each costs ~0.7-2 s (torch._dynamo 1.9 s, scipy.stats 0.7 s), paid by
+# every `quantspec` command, --help and one-line errors included (5.7 s to `import quantspec` with them, 1.6 without)
+NOT_AT_START = ("torch._dynamo", "torch._inductor", "scipy.stats", "vllm", "lm_eval", "compressed_tensors", "optuna",
+                "transformers", "matplotlib")
+
+
+def loaded_at_start(extra: str = "") -> list[str]:
+    """Which of ``NOT_AT_START`` a fresh interpreter holds after ``import quantspec.cli`` (and ``extra``)."""
+    import json
+    import subprocess
+    import sys
+
+    code = (f"import json, sys, quantspec.cli{extra}; "
+            f"print(json.dumps([m for m in {NOT_AT_START!r} if m in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_cli_starts_without_the_heavy_libraries():
+    """Negative control: a module importing scipy.stats at its top (as specdec.lossless did) is caught."""
+    assert loaded_at_start() == []
+    assert loaded_at_start(", specdec.lossless, scipy.stats") == ["scipy.stats"]
