@@ -57,18 +57,24 @@ class SpeculativeDecoder:
     compiled steps; greedy output then equals plain decoding through the compiled one-token step, which each
     verification width's compiled step is probed against on its first call (``verify_logits``).
 
-    ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches."""
+    ``k`` and ``sampling`` may be changed between requests; the proposer is bound to this decoder's caches.
+    ``decoder``: the target's existing plain ``Decoder`` (its caches and compiled steps, e.g. another point's of the
+    same model) instead of a new one; one that other points share needs a proposer that leaves it as it is
+    (``Proposer.changes_target``)."""
 
     def __init__(self, target: LoadedModel, proposer: Proposer | str, k: int,
-                 sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048, compile_mode: str | None = None):
+                 sampling: SamplingConfig = SamplingConfig(), max_len: int = 2048, compile_mode: str | None = None,
+                 decoder: Decoder | None = None):
         if target.dtype == torch.bfloat16:
             check_bf16_exact(target)
         self.k = check_k(k)
         self.sampling = sampling
-        self.decoder = Decoder(target, max_len, compile_mode=compile_mode)
+        self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
+        if decoder is not None and decoder.lm is not target:
+            raise ValueError("the decoder given must be the target's own")
+        self.decoder = decoder or Decoder(target, max_len, compile_mode=compile_mode)
         # (compiled verification width, span) -> rows differing from the one-token steps'
         self.differing: dict[tuple[int, int], int] = {}
-        self.proposer = build_proposer(proposer, target) if isinstance(proposer, str) else proposer
         self.proposer.attach(self.decoder)
 
     def start(self, prompt_ids: list[int], generator) -> int:

@@ -100,6 +100,10 @@ class TrialEvaluator(Protocol):
 
 
 EVALUATORS: Registry[Callable[..., TrialEvaluator]] = Registry("evaluator")
+# candidate engines a search keeps between trials beside the reference (``Backend.reusable``, least recently used
+# closed first): a point of a transformation already built runs on its build and compiled steps. Each holds its
+# model's weights and compiled steps (the default model: 0.1-0.6 GB)
+RESIDENT_ENGINES = 3
 register_evaluator = EVALUATORS.register
 
 
@@ -146,6 +150,7 @@ class RealEvaluator:
         self.protocol = protocol or SpeedProtocol()
         self.reference: Config | None = None
         self._reference = None  # the resident reference engine
+        self._engines: list = []  # resident candidate engines, least recently used first
         self._tokens: dict[Config, list[list[int]]] = {}
         self._lengths: dict[Config, dict] = {}
 
@@ -223,7 +228,7 @@ class RealEvaluator:
         t_reference = time.perf_counter()
         # the reference point runs on the resident reference engine when points are paired with it
         own = reference is None or config != self.reference
-        backend = open_backend(serving) if own else reference
+        backend = self._engine(serving) if own else reference
         t1 = time.perf_counter()
         try:
             result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
@@ -237,7 +242,7 @@ class RealEvaluator:
                                     num_prompts=self.num_prompts, output_len=self.length_tokens, ignore_eos=False,
                                     data_dir=self.data_dir)
         finally:
-            if own:
+            if own and not backend.reusable:
                 backend.close()
         t2 = time.perf_counter()
         self._tokens[config] = [r.token_ids for r in result.results]
@@ -263,6 +268,22 @@ class RealEvaluator:
         return SpeedResult(paired.candidate.value, result.alpha, result.tau, record=record, extra=extra,
                            tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value, speedup_ci=paired.ratio.ci,
                            noisy=paired.noisy, measurement=paired.to_dict() | {"threads": threads})
+
+    def _engine(self, serving):
+        """The point's engine: a resident engine's build where it serves the point (``Backend.serve_also``: another
+        proposer or K of a transformation measured before), else a new engine, kept resident when reusable."""
+        for engine in self._engines:
+            shared = engine.serve_also(serving)
+            if shared is not None:
+                self._engines.remove(engine)
+                self._engines.append(engine)
+                return shared
+        backend = open_backend(serving)
+        if backend.reusable:
+            self._engines.append(backend)
+            while len(self._engines) > RESIDENT_ENGINES:
+                self._engines.pop(0).close()
+        return backend
 
     def _reference_backend(self):
         """The reference engine, opened once and kept resident beside every candidate (interleavable backends)."""
@@ -297,6 +318,9 @@ class RealEvaluator:
                             reference.retune)
 
     def close(self) -> None:
+        for engine in self._engines:
+            engine.close()
+        self._engines = []
         if self._reference is not None:
             self._reference.close()
             self._reference = None

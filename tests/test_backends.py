@@ -295,3 +295,36 @@ def test_backends_answer_what_the_search_asks(tiny_llama_dir):
     assert BACKENDS["native"].exactness(replace(native, dtype="bf16"))["by_construction"]
     assert not BACKENDS["native"].exactness(native)["by_construction"]  # fp32 GEMMs
     assert not BACKENDS["vllm"].exactness(replace(vllm, dtype="bf16"))["by_construction"]
+
+
+def test_points_of_one_build_share_it_and_its_compiled_steps(tiny_llama_dir, spec_dtype, monkeypatch):
+    """``serve_also``: a speculative point of the plain point's transformation runs on its build and plain decoder,
+    builds only its verification step (compile_s counts that alone) and decodes a fresh engine's tokens. Another
+    transformation, a decoder a point sent back to eager, or a proposer that changes the target's decoder (the
+    negative control: n-gram marked so) gets no share of it."""
+    from specdec.proposers.ngram import NgramProposer
+
+    if spec_dtype == "fp32":
+        pytest.skip("fp32 greedy speculation runs eager under --compile (its probe refuses it): nothing shared")
+
+    def config(**kw):
+        return ServingConfig(Config.parse(model=str(tiny_llama_dir), dtype=spec_dtype, **kw), max_model_len=64,
+                             compile="default")
+
+    def tokens(backend):
+        return backend.closed_loop([Request(0, [3, 4, 5, 6, 3, 4, 5], 8)], 1)[0].token_ids
+
+    plain = open_backend(config())
+    plain_tokens = tokens(plain)
+    spec = config(spec="ngram:min=1,max=3", k=3)
+    shared = plain.serve_also(spec)
+    assert shared.lm is plain.lm and shared.decoder.decoder is plain.plain and shared.plain is plain.plain
+    assert tokens(shared) == tokens(open_backend(spec)) == plain_tokens
+    steps = plain.plain.steps
+    assert sorted(steps) == [1, 4] and shared.compile_s == pytest.approx(steps[4].compile_s)
+    assert plain.serve_also(config(scheme="w8ch-sym", method="rtn")) is None  # another transformation
+    monkeypatch.setattr(NgramProposer, "changes_target", True)
+    own = plain.serve_also(spec)
+    assert own.decoder.decoder is not plain.plain and own.plain is None and own.serve_also(config()) is None
+    plain.plain.fall_back("a point's verification probe differed")
+    assert plain.serve_also(spec) is None

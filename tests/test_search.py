@@ -850,3 +850,36 @@ def test_the_resident_reference_is_warmed_before_its_first_timed_sample(tiny_lla
             assert [what for what, _ in events].count("warm_up") == 2  # the reference's and the candidate's
     finally:
         evaluator.close()
+
+
+def test_the_real_evaluator_keeps_a_build_for_the_points_it_serves(tiny_llama_dir, monkeypatch):
+    """Trials of one transformation run on one build (another proposer or K: ``Backend.serve_also``); of more than
+    ``RESIDENT_ENGINES`` builds the least recently used is closed, and a point of a closed build is built again."""
+    from studies import objective
+    from studies.space import serving_config
+
+    opened, closed = [], []
+
+    def counting_open(serving):
+        backend = real_open(serving)
+        opened.append(serving.config.scheme_label)
+        backend.close = lambda: closed.append(serving.config.scheme_label)
+        return backend
+
+    real_open = objective.open_backend
+    monkeypatch.setattr(objective, "open_backend", counting_open)
+    evaluator = objective.RealEvaluator(compile="eager", threads=1)
+
+    def engine(**point):
+        config = Config.parse(model=str(tiny_llama_dir), dtype="fp32", **point)
+        return evaluator._engine(serving_config(config, threads=1, compile="eager", max_model_len=64))
+
+    plain = engine()
+    assert engine(spec="ngram:min=1,max=3", k=2).lm is plain.lm and engine(spec="ngram:min=1,max=2", k=4).lm is plain.lm
+    assert opened == ["none"]
+    for scheme in ("w8ch-sym", "w4g32-sym", "w4g32-asym"):
+        engine(scheme=scheme, method="rtn")
+    assert len(opened) == 1 + objective.RESIDENT_ENGINES and closed == ["none"]  # the least recently used
+    assert engine(spec="ngram:min=1,max=3", k=2).lm is not plain.lm and opened[-1] == "none"
+    evaluator.close()
+    assert sorted(closed) == sorted(opened)  # each engine closed once

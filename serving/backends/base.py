@@ -73,6 +73,9 @@ class Backend:
     # Whether two engines of this backend can stay resident in one process and alternate request by request,
     # so a candidate's speed is measured paired with the reference's (runtime.measure.paired_ratio).
     interleavable = False
+    # Whether a started engine can serve other points of its build (``serve_also``), so a search keeps it resident
+    # between trials instead of building the same transformation again.
+    reusable = False
     # Whether a point's quality is scored through this engine itself (its own lm-eval model, its serving dtype),
     # so it is cached under its own key; False: the point's transformation is scored once on the reference
     # runtime and every such backend's points of that transformation share the number.
@@ -107,6 +110,11 @@ class Backend:
         """Whether speculation on the kernels ``config`` runs leaves greedy outputs unchanged by construction:
         ``{"by_construction": bool, "why": str}``. Here: not claimed (the kernels are not probed)."""
         return {"by_construction": False, "why": f"{cls.name}'s kernels are not probed for batch invariance"}
+
+    def serve_also(self, config: ServingConfig) -> "Backend | None":
+        """A backend serving ``config`` on this started engine (its built model, compiled steps), or None where
+        ``config`` needs an engine of its own. Here: always None."""
+        return None
 
     def tokenizer(self):
         raise NotImplementedError

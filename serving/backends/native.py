@@ -35,22 +35,29 @@ class NativeBackend(Backend):
     batching = "batch-1: requests served one after another in arrival order; waiting time counts in TTFT/E2E"
     cache_warmth = "KV cache reset per request (no prefix reuse); weights resident in RAM"
     interleavable = True  # in-process models: reference and candidate alternate request by request
+    reusable = True  # ``serve_also``: the points of one transformation share a build and its compiled steps
 
-    def __init__(self, config: ServingConfig):
+    def __init__(self, config: ServingConfig, engine: "NativeBackend | None" = None):
+        """``engine``: a backend of the same build (``serve_also`` checked it) whose model, thread choice and plain
+        decoder (its caches and compiled steps) this one runs on."""
         super().__init__(config)
         reason = self.check(config)
         if reason:
             raise UserError(reason)
         point = config.config
-        # eager attention: batch-invariant rows, so bf16 speculation is token-exact (``check_bf16_exact``)
-        point = replace(point, attention=point.attention or "eager")
-        built = build_native(point, config.threads)
-        self.lm, self.quant_report = built.lm, built.report
-        self.scheme_info = built.scheme_info
-        self.threads = apply_threads(self.lm.model, config.threads)
+        if engine is None:
+            # eager attention: batch-invariant rows, so bf16 speculation is token-exact (``check_bf16_exact``)
+            built = build_native(replace(point, attention=point.attention or "eager"), config.threads)
+            self.lm, self.quant_report, self.scheme_info = built.lm, built.report, built.scheme_info
+            self.threads = apply_threads(self.lm.model, config.threads)
+            self.compile = resolve_compile(config.compile, str(self.lm.device))
+            plain = Decoder(self.lm, config.max_model_len, built.cache_factory, compile_mode=self.compile.mode)
+        else:
+            self.lm, self.quant_report, self.scheme_info = engine.lm, engine.quant_report, engine.scheme_info
+            self.threads, self.compile, plain = engine.threads, engine.compile, engine.plain
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
-        self.compile = resolve_compile(config.compile, str(self.lm.device))
-        self.decoder = self._decoder(built.cache_factory)
+        self.decoder, self.plain = self._decoder(plain, shared=engine is not None)
+        self._built_before = self._target.compile_s  # steps another point of this build compiled: not this one's
         self.counters = SpecCounters() if point.speculative else None
 
     @classmethod
@@ -68,23 +75,40 @@ class NativeBackend(Backend):
         return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
                 "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
 
-    def _decoder(self, cache_factory):
-        point, mode = self.config.config, self.compile.mode
+    def _decoder(self, plain: Decoder, shared: bool) -> tuple[Decoder | SpeculativeDecoder, Decoder | None]:
+        """(what serves requests, the plain decoder other points may share: None once a proposer changed it)."""
+        point = self.config.config
         if not point.speculative:
-            return Decoder(self.lm, self.config.max_model_len, cache_factory, compile_mode=mode)
+            return plain, plain
         proposer = build_proposer(point.proposer_spec, self.lm)
-        return SpeculativeDecoder(self.lm, proposer, point.k, self.sampling, self.config.max_model_len, mode)
+        if proposer.changes_target and shared:  # a decoder of its own: the shared one stays as other points run it
+            plain = Decoder(self.lm, self.config.max_model_len, compile_mode=self.compile.mode)
+        spec = SpeculativeDecoder(self.lm, proposer, point.k, self.sampling, decoder=plain)
+        return spec, None if proposer.changes_target else plain
+
+    def serve_also(self, config: ServingConfig) -> "NativeBackend | None":
+        """A backend for ``config`` on this one's build and plain decoder when ``config`` differs from this one's
+        only in speculation (proposer, K); None where it needs another build, or where a point's speculation sent
+        the decoder back to the eager step (``SpeculativeDecoder.prepare``: that was that point's verdict)."""
+        if self.plain is None or self.plain.fallback or config.without_spec() != self.config.without_spec():
+            return None
+        return NativeBackend(config, engine=self)
+
+    @property
+    def _target(self) -> Decoder:
+        """The decoder of the target's plain and verification forwards."""
+        return self.decoder.decoder if self.config.config.speculative else self.decoder
 
     @property
     def step_label(self) -> str:
         """What plain and verification forwards run on (``Decoder.step_label``; eager with the reason when
         ``--compile`` resolved to it)."""
-        plain = self.decoder.decoder if self.config.config.speculative else self.decoder
-        return plain.step_label if self.compile.mode else self.compile.label
+        return self._target.step_label if self.compile.mode else self.compile.label
 
     @property
     def compile_s(self) -> float:
-        return (self.decoder.decoder if self.config.config.speculative else self.decoder).compile_s
+        """Seconds this backend spent building compiled steps (those a shared decoder had before are not its)."""
+        return self._target.compile_s - self._built_before
 
     def warm_up(self, requests: list[Request], load_kind: str) -> str:
         """Compiled: every step the warm-up requests run is built (and, speculating, probed) first."""
@@ -98,7 +122,7 @@ class NativeBackend(Backend):
     def prepare(self, requests: list[Request]) -> str:
         """Compiled: the steps of every cache span ``requests`` reach (``Decoder.reserve``), built (and, speculating,
         probed) by a short run of the longest request of each span."""
-        plain = self.decoder.decoder if self.config.config.speculative else self.decoder
+        plain = self._target
         if not plain.compile_mode or plain.step.fallback:
             return ""
         longest = longest_per_span(requests, lambda r: len(r.prompt_ids) + r.max_tokens, plain.max_len)

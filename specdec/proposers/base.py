@@ -43,6 +43,9 @@ class Proposer:
     """Proposes draft tokens continuing ``context`` (prompt + generated tokens so far)."""
 
     name = "?"
+    # ``attach`` changes the target's decoder (what its forwards keep, or whether they run compiled): that decoder
+    # then serves no other point (``serving.backends.native.NativeBackend.serve_also``)
+    changes_target = False
 
     @classmethod
     def from_spec(cls, arg: str, target: LoadedModel) -> "Proposer":

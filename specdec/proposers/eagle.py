@@ -32,6 +32,8 @@ def parse_eagle(arg: str) -> tuple[str, dict]:
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
+    changes_target = True  # the target's forwards keep hidden states (and run eager with fused layers)
+
     def __init__(self, target, head, d2t: torch.Tensor | None, label: str):
         self.target, self.head, self.d2t, self._label = target, head, d2t, label
         model = target.model
