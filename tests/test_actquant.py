@@ -63,6 +63,20 @@ def test_observers_minmax_percentile_mse():
     assert int8_error(r["mse"]) <= int8_error(r["minmax"])
 
 
+def test_mse_observers_in_place_int8_error_is_the_codes_error_bitwise():
+    """``MSEObserver._error`` (int8: rounding and clamp in place) against the error of ``_codes``' int8 codes, at a
+    ratio that clips. Negative control: without the clamp the clipped columns' errors differ."""
+    from quant.actquant import STATIC_INT8, MSEObserver, _codes
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 64).abs() * torch.rand(64) * 3
+    scale = x.amax(0) * 0.6 / STATIC_INT8.qmax
+    codes_error = ((_codes(x, scale, STATIC_INT8).float() * scale - x) ** 2).sum(0)
+    assert torch.equal(MSEObserver(STATIC_INT8)._error(x, scale), codes_error)
+    unclamped = ((torch.round(x / scale) * scale - x) ** 2).sum(0)
+    assert not torch.equal(unclamped, codes_error)
+
+
 def test_observer_refusals():
     with pytest.raises(UserError, match="zero calibration samples"):
         make_observer("minmax").range()
