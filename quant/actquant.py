@@ -142,7 +142,8 @@ class MSEObserver(SamplingObserver):
 
     def _error(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Squared error per column of ``x`` coded under ``scale``. Integer codes: the same rounding and clamp as
-        ``_codes`` in place on one buffer, bitwise its result (the int8 round trip is exact) in a third of the time (one thread, 1M values)."""
+        ``_codes`` in place on one buffer, bitwise its result (the int8 round trip is exact) in a third of the time
+        (one thread, 1M values)."""
         if self.act.code_dtype.is_floating_point:  # fp8: the cast rounds
             return ((_codes(x, scale, self.act).float() * scale - x) ** 2).sum(0)
         q = x / scale

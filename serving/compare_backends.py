@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-
 from evals.build import as_checkpoint, model_weights_hash
 from evals.harness import EvalConfig, TaskResult, score_tasks, task_manager
 from evals.record import (ArrivalProcess, EngineCondition, LengthDistribution, MetricCondition, ModelCondition,

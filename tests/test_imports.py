@@ -7,6 +7,9 @@ module elsewhere branches on a backend's name."""
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,10 +218,6 @@ NOT_AT_START = ("torch._dynamo", "torch._inductor", "scipy.stats", "vllm", "lm_e
 
 def loaded_at_start(extra: str = "") -> list[str]:
     """Which of ``NOT_AT_START`` a fresh interpreter holds after ``import quantspec.cli`` (and ``extra``)."""
-    import json
-    import subprocess
-    import sys
-
     code = (f"import json, sys, quantspec.cli{extra}; "
             f"print(json.dumps([m for m in {NOT_AT_START!r} if m in sys.modules]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -859,6 +859,7 @@ def test_the_real_evaluator_keeps_a_build_for_the_points_it_serves(tiny_llama_di
     from studies.space import serving_config
 
     opened, closed = [], []
+    real_open = objective.open_backend
 
     def counting_open(serving):
         backend = real_open(serving)
@@ -866,7 +867,6 @@ def test_the_real_evaluator_keeps_a_build_for_the_points_it_serves(tiny_llama_di
         backend.close = lambda: closed.append(serving.config.scheme_label)
         return backend
 
-    real_open = objective.open_backend
     monkeypatch.setattr(objective, "open_backend", counting_open)
     evaluator = objective.RealEvaluator(compile="eager", threads=1)
 
