@@ -39,7 +39,8 @@ class TimedEvaluator:
     def __init__(self, inner):
         self.inner = inner
         self.default_floor = inner.default_floor
-        self.seconds = {"quality": 0.0, "engine_start": 0.0, "compile": 0.0, "speed_run": 0.0, "greedy_check": 0.0}
+        self.seconds = {"quality": 0.0, "engine_start": 0.0, "compile": 0.0, "speed_run": 0.0, "length_run": 0.0,
+                        "greedy_check": 0.0}
         self.counts = Counter()  # calls per kind of work (speed: engine start + run)
 
     def floor_value(self, floor):
@@ -79,8 +80,8 @@ class TimedEvaluator:
         return self.inner.exactness(config)
 
     def output_length(self, config):
-        """Measured inside speed() (natural end-of-turn run on the same engine); a twin not yet run counts here."""
-        return self._timed("speed_run", self.inner.output_length, config)
+        """The natural end-of-turn runs of the length gate (once per serving transformation)."""
+        return self._timed("length_run", self.inner.output_length, config)
 
     def greedy_tokens(self, config):
         """Inner calls (the non-speculative twin's run when not yet measured) count here, not under speed."""
@@ -136,7 +137,8 @@ if __name__ == "__main__":
         table.add_column(col, justify="right")
     calls = {"quality": evaluator.counts["quality"], "engine_start": evaluator.counts["speed"],
              "compile": evaluator.counts["speed"],
-             "speed_run": evaluator.counts["speed"], "greedy_check": evaluator.counts["greedy_check"]}
+             "speed_run": evaluator.counts["speed"], "length_run": evaluator.counts["length_run"],
+             "greedy_check": evaluator.counts["greedy_check"]}
     for name, sec in seconds.items():
         table.add_row(name, f"{sec:.0f}", f"{100 * sec / wall:.0f}%", str(calls.get(name, "")))
     console.print(table)
@@ -163,6 +165,7 @@ if __name__ == "__main__":
              "engine_start": "open_backend: model load + quantization (+ pruned points refused at start)",
              "compile": "one-time builds of compiled decode steps (the records' compile_s; none with --compile eager)",
              "speed_run": "run_benchmark on an open engine (warm-up + measured requests, builds excluded)",
+             "length_run": "the length gate's natural end-of-turn runs (one per serving transformation)",
              "greedy_check": "greedy-equality checks of sampled speculative trials (their non-spec twin runs)",
              "other": "wall minus the above: Optuna sampling, storage, invalid-point checks"},
             "trials counted when complete, pruned or failed by their own error"),

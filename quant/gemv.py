@@ -163,7 +163,7 @@ def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: i
 @hardware.cached_per_thread_count
 def gemv_missing(name: str) -> str | None:
     """Why kernel ``name`` is not used here (the AVX2 override, no AVX512-BF16, a failed build, a wrong
-    product, or slower than the torch kernel on one row), or None."""
+    product, or slower than the torch kernel on one row beyond ``hardware.TIE``), or None."""
     cls: type[GemvKernel] = KERNELS[name]
     why = ops_missing()
     if why:
@@ -175,7 +175,7 @@ def gemv_missing(name: str) -> str | None:
     if err > 1e-2:
         return f"wrong results (max relative error {err:.3g} against {cls.replaces.name})"
     us = decode_speeds(cls)
-    if us[cls.name] >= us[cls.replaces.name]:
+    if hardware.beaten(us[cls.name], us[cls.replaces.name]):
         return f"slower than {cls.replaces.name} on one row here ({us[cls.name]} vs {us[cls.replaces.name]} us)"
     return None
 

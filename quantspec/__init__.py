@@ -80,17 +80,17 @@ def demo_settings(n_trials: int = 8, data_dir: str | None = None, threads: int |
     infeasible whatever its flips; 0.8 passes the reference's answers with room for a lost item or two. Speed is
     one Spec-Bench prompt (95 tokens) x 64 tokens: one cache span (256) per configuration, where the second prompt
     (517 tokens x 32) built every step again over 768 positions and its prefill outweighed the decode being ranked
-    (a search of 12 min in CI on an AMX Xeon, 7.9 min after this). Its length gate runs to 128 tokens, not 256:
-    the prompt's run then reads the timed runs' span, where 256 reached one more (512). Its
-    steps compile in inductor's ``default`` mode, chosen by cost: on an AMX Xeon max-autotune's frozen bf16 steps
-    build unrolled (no GEMM template inside a region), 127-143 s per span against default's 14-18 s, and its
-    reference trial took 316 s against 110 s."""
+    (a search of 12 min in CI on an AMX Xeon, 7.9 min after this). Its length gate runs 4 prompts to 128 tokens,
+    each within those 256 positions (prompts longer are skipped), so it reads the timed runs' span; one prompt
+    decided nothing (``studies.length_gate``). Its steps compile in inductor's ``default`` mode, chosen by cost: on
+    an AMX Xeon max-autotune's frozen bf16 steps build unrolled (no GEMM template inside a region), 127-143 s per
+    span against default's 14-18 s, and its reference trial took 316 s against 110 s."""
     require_optuna("quantspec.demo_settings")
     from studies.search import SearchSettings
 
     settings = SearchSettings(space=load_space("demo"), floor="0.8", n_trials=n_trials, study_dir=DEMO_DIR, seed=0)
     return settings, get_evaluator("real", data_dir=data_dir, limit=50, num_prompts=1, output_len=64, threads=threads,
-                                    length_tokens=128, compile="default")
+                                    length_tokens=128, length_prompts=4, length_positions=256, compile="default")
 
 
 def summarize(study) -> StudySummary:

@@ -530,6 +530,11 @@ def _basis_cell(r: Row) -> str:
     return {"exact by construction": "exact (constr.)", "infeasible": "[red]infeasible[/]"}.get(kind, kind)
 
 
+def _length_cell(r: Row) -> str:
+    """The length ratio, ``?`` where its prompts do not decide the band."""
+    return _fmt(r.length_ratio, ".2f") + (" ?" if r.length_verdict == "undecidable" else "")
+
+
 def rich_table(summary: StudySummary) -> Table:
     table = Table(title=f"study {summary.name}: effective tok/s vs quality (floor {summary.floor}, {summary.mode}, "
                         f"length band {'-'.join(map(str, summary.length_band)) if summary.length_band else 'off'}"
@@ -550,7 +555,7 @@ def rich_table(summary: StudySummary) -> Table:
         table.add_row("*" if r.pareto else "~" if r.not_separable else "", str(r.number), label, r.backend,
                       _tok_s_cell(r), _speedup_cell(r), _fmt(r.rounds, "d"), _accuracy_cell(r),
                       _fmt(r.flips, "d"), _fmt(r.kl, ".4f"), spec, _exact_cell(r), _basis_cell(r),
-                      _fmt(r.length_ratio, ".2f"), _fmt(r.eot_rate, ".0%"), verdict,
+                      _length_cell(r), _fmt(r.eot_rate, ".0%"), verdict,
                       style=None if r.feasible is not False else "dim")
     return table
 
@@ -565,6 +570,11 @@ def footer_lines(summary: StudySummary) -> list[str]:
             half = (r.speedup_ci[1] - r.speedup_ci[0]) / 2 / r.speedup if r.speedup_ci and r.speedup else float("nan")
             lines.append(f"#{r.number} {r.label}: speed noisy: its speedup CI stayed ±{100 * half:.0f}% after "
                          f"{r.rounds} rounds ({r.load}); re-measure on a quieter machine")
+    undecided = [r for r in summary.measured if r.length_verdict == "undecidable"]
+    if undecided:
+        lines.append(f"len ×ref ? = the length gate is undecidable on its prompts for #"
+                     f"{', #'.join(str(r.number) for r in undecided)} (the paired interval straddles the band): "
+                     "recorded, not enforced; more --length-prompts decide it")
     if summary.compile_s:
         lines.append(f"compiled steps built in {summary.compile_s:.0f} s in all (one-time, in no row's speed)")
     steps = summary.steps

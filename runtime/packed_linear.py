@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu_ops import bf16_fits, build_dir, ops_missing, pack_bf16
-from runtime.hardware import EXACT_ROWS, cached_per_thread_count, probe, ranked, row_invariance, streamed_decode_us
+from runtime.hardware import (EXACT_ROWS, beaten, cached_per_thread_count, probe, ranked, row_invariance,
+                              streamed_decode_us)
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -132,7 +133,7 @@ def candidates(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Fn]]:
 
 def gemv_missing() -> str | None:
     """Why ``bf16gemv`` does not run bf16 decode rows here (its ops cannot run, a wrong product, or slower than
-    the kernel it would displace on one streamed row), or None."""
+    the kernel it would displace on one streamed row, beyond ``hardware.TIE``), or None."""
     return ops_missing() or _gemv_verdict(build_dir())
 
 
@@ -157,7 +158,7 @@ def _gemv_verdict(build: Path, n: int = 1536, k: int = 576) -> str | None:
         torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)) for name in (GEMV, other)}
     name = f"{GEMV}-vs-{other}/{n}x{k}/streamed/{build.name}"  # re-measured per build
     us = streamed_decode_us(name, makers, n, k, bytes_per_weight=2)
-    if us[GEMV] >= us[other]:
+    if beaten(us[GEMV], us[other]):
         return f"slower than {other} on one row here ({us[GEMV]} vs {us[other]} us)"
     return None
 

@@ -69,12 +69,12 @@ def warm_up(backend: Backend, load_kind: str) -> str:
 def run_benchmark(config: ServingConfig, workload: str, load: LoadSpec, *, backend: Backend | None = None,
                   num_prompts: int = 16, output_len: int | None = None, ignore_eos: bool = True,
                   data_dir: str | Path | None = None, slo: SLO = SLO(), baseline: BenchResult | None = None,
-                  progress: Progress | None = None, seed: int = 0) -> BenchResult:
+                  progress: Progress | None = None, seed: int = 0, max_total_tokens: int | None = None) -> BenchResult:
     own = backend is None
     backend = backend or open_backend(config)
     try:
         requests, source = build_requests(workload, backend.tokenizer(), num_prompts, output_len, ignore_eos,
-                                          data_dir, seed)
+                                          data_dir, seed, max_total_tokens)
         warmup = "; ".join(filter(None, (warm_up(backend, load.kind), backend.prepare(requests))))
         try:
             before = backend.spec_counters(load.kind)

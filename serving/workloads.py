@@ -7,6 +7,7 @@ template of instruct models (``runtime.generate.encode_prompt``).
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ class WorkloadArgs:
     output_len: int | None
     data_dir: str | Path | None
     seed: int
+    max_total_tokens: int | None = None  # real prompts whose tokens + output exceed it are skipped
 
 
 WORKLOADS: Registry[WorkloadSpec] = Registry("workload")
@@ -57,20 +59,30 @@ def _output_len(args: WorkloadArgs, name: str) -> int:
     return args.output_len or WORKLOADS.get(name).default_output_len
 
 
-def _real_prompts(source: str, args: WorkloadArgs) -> list[str]:
+def _real_prompts(source: str, args: WorkloadArgs, n_out: int) -> list[str]:
+    """The first ``num_prompts`` of the shuffled prompts (cycled when fewer), those that fit ``max_total_tokens``
+    with ``n_out`` new tokens where it is set (as vLLM's ShareGPT sampling skips sequences too long)."""
     prompts = load_prompts(source, args.data_dir)
     random.Random(args.seed).shuffle(prompts)
+    if args.max_total_tokens is not None:
+        fits = (p for p in prompts if len(encode_prompt(args.tokenizer, p)) + n_out <= args.max_total_tokens)
+        prompts = list(itertools.islice(fits, args.num_prompts))
+        if not prompts:
+            raise UserError(f"no {source} prompt fits {args.max_total_tokens} positions with {n_out} new tokens: "
+                            "raise the position bound or lower the output length")
     return [prompts[i % len(prompts)] for i in range(args.num_prompts)]
 
 
 @register_workload("spec_bench", "Spec-Bench questions (first turn), fixed output length", 128)
 def _spec_bench(args: WorkloadArgs):
-    return [(p, _output_len(args, "spec_bench")) for p in _real_prompts("spec_bench", args)]
+    n_out = _output_len(args, "spec_bench")
+    return [(p, n_out) for p in _real_prompts("spec_bench", args, n_out)]
 
 
 @register_workload("mt_bench", "MT-Bench questions (first turn), fixed output length", 128)
 def _mt_bench(args: WorkloadArgs):
-    return [(p, _output_len(args, "mt_bench")) for p in _real_prompts("mt_bench", args)]
+    n_out = _output_len(args, "mt_bench")
+    return [(p, n_out) for p in _real_prompts("mt_bench", args, n_out)]
 
 
 POOL_CHARS = 40_000  # enough real text for many distinct 512-token cuts, cheap to tokenize
@@ -110,20 +122,26 @@ register_workload("mix", "short-short, long-short and short-long interleaved", 3
 
 
 def build_requests(workload: str, tokenizer, num_prompts: int = 16, output_len: int | None = None,
-                   ignore_eos: bool = True, data_dir: str | Path | None = None, seed: int = 0
-                   ) -> tuple[list[Request], str]:
-    """Requests for a named workload or a JSONL path, plus a description of their source for the record."""
+                   ignore_eos: bool = True, data_dir: str | Path | None = None, seed: int = 0,
+                   max_total_tokens: int | None = None) -> tuple[list[Request], str]:
+    """Requests for a named workload or a JSONL path, plus a description of their source for the record.
+    ``max_total_tokens``: only prompts whose tokens plus output fit (real prompts that do not are skipped)."""
     if num_prompts < 1:
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if output_len is not None and output_len < 1:
         raise UserError(f"--output-len must be >= 1, got {output_len}")
-    args = WorkloadArgs(tokenizer, num_prompts, output_len, data_dir, seed)
+    args = WorkloadArgs(tokenizer, num_prompts, output_len, data_dir, seed, max_total_tokens)
     if workload in WORKLOADS:
         pairs, source = WORKLOADS.get(workload).build(args), f"{workload}: {WORKLOADS.get(workload).description}"
     elif workload.endswith(".jsonl") and Path(workload).exists():
         n_out = output_len or 128
-        pairs, source = [(p, n_out) for p in _real_prompts(workload, args)], f"JSONL {workload}"
+        pairs, source = [(p, n_out) for p in _real_prompts(workload, args, n_out)], f"JSONL {workload}"
     else:
         raise UserError(f"unknown workload {workload!r}: use one of {', '.join(WORKLOADS)} or an existing .jsonl path")
     requests = [Request(i, encode_prompt(tokenizer, text), n_out, ignore_eos) for i, (text, n_out) in enumerate(pairs)]
+    if max_total_tokens is not None:
+        if any(len(r.prompt_ids) + r.max_tokens > max_total_tokens for r in requests):
+            raise UserError(f"workload {workload!r} has requests longer than {max_total_tokens} positions (prompt + "
+                            "output): raise the position bound or use a workload of real prompts")
+        source += f"; prompt + output <= {max_total_tokens} tokens"
     return requests, source

@@ -95,8 +95,8 @@ class TrialEvaluator(Protocol):
     # optional (the search records "not measured"/"not by construction" without them):
     # exactness(config) -> {"by_construction": bool, "why": str}: does speculation on the kernels this point runs
     #     leave greedy outputs unchanged by construction?
-    # output_length(config) -> {"mean_tokens": float, "eot_rate": float}: natural end-of-turn generation on the
-    #     speed prompts (the length gate)
+    # output_length(config) -> {"counts": [int], "eot_rate": float}: output tokens per prompt with natural
+    #     end-of-turn, the same prompts for every config (the length gate, ``studies.length_gate``)
 
 
 EVALUATORS: Registry[Callable[..., TrialEvaluator]] = Registry("evaluator")
@@ -125,8 +125,10 @@ class RealEvaluator:
     floor test; WikiText-2 KL). A vLLM point's quality is measured through vLLM in its serving dtype on its
     compressed-tensors export (lm-eval's ``vllm`` model), against the same native bf16 reference as every other
     point of the table (so a backend's own drift counts against it; ``quantspec eval --compare-backends`` shows it);
-    where that cannot run here the point is skipped with the reason. Output length: the speed prompts generated
-    again with natural end-of-turn up to ``length_tokens``.
+    where that cannot run here the point is skipped with the reason. Output length: ``length_prompts`` prompts of
+    the workload generated with natural end-of-turn up to ``length_tokens`` (only prompts that fit
+    ``length_positions`` with them, where set), on the point's engine while it is open (right after the speed runs
+    for an engine closed after its trial, on demand for a resident one).
 
     Floors are ``evals.floor.Floor`` texts: ``0.99`` (relative to the reference) or ``abs:0.40``. evals passes a
     configuration iff the lower CI bound of the margin m (acc - f * acc_ref, or acc - a) is >= 0. The quality
@@ -140,19 +142,23 @@ class RealEvaluator:
     def __init__(self, data_dir: str | None = None, limit: int | None = None, tasks: str = "arc_easy",
                  workload: str = "spec_bench", num_prompts: int = 4, output_len: int = 64,
                  fidelity_windows: int = 2, floor: str | None = None, threads: int | None = None,
-                 length_tokens: int = 256, protocol: SpeedProtocol | None = None, compile: str = "auto", **_):
+                 length_tokens: int = 256, length_prompts: int = 8, length_positions: int | None = None,
+                 protocol: SpeedProtocol | None = None, compile: str = "auto", **_):
         self.data_dir, self.limit, self.tasks, self.fidelity_windows = data_dir, limit or 200, tasks, fidelity_windows
         self.workload, self.num_prompts, self.output_len = workload, num_prompts, output_len
         self.floor, self.threads, self.compile = floor, threads, compile
         if length_tokens < 1:
             raise UserError(f"--length-tokens must be >= 1, got {length_tokens}")
-        self.length_tokens = length_tokens
+        if length_prompts < 1:
+            raise UserError(f"--length-prompts must be >= 1, got {length_prompts}")
+        self.length_tokens, self.length_prompts, self.length_positions = length_tokens, length_prompts, length_positions
         self.protocol = protocol or SpeedProtocol()
         self.reference: Config | None = None
         self._reference = None  # the resident reference engine
         self._engines: list = []  # resident candidate engines, least recently used first
         self._tokens: dict[Config, list[list[int]]] = {}
         self._lengths: dict[Config, dict] = {}
+        self._served: dict[Config, object] = {}  # the last points' open engines, most recent last
 
     def floor_value(self, floor: str) -> float:
         return Floor.parse(floor).value
@@ -161,7 +167,8 @@ class RealEvaluator:
         return {"evaluator": "real", "tasks": self.tasks, "limit": self.limit, "fidelity_windows": self.fidelity_windows,
                 "workload": self.workload, "num_prompts": self.num_prompts, "output_len": self.output_len,
                 "quality_dtype": "bf16 (native), serving dtype (vllm)",
-                "length_tokens": self.length_tokens, "load": "closed loop, concurrency 1", "threads": self.threads,
+                "length_tokens": self.length_tokens, "length_prompts": self.length_prompts,
+                "length_positions": self.length_positions, "load": "closed loop, concurrency 1", "threads": self.threads,
                 "compile": self.compile,
                 "speed_protocol": asdict(self.protocol)}
 
@@ -211,11 +218,43 @@ class RealEvaluator:
         return BACKENDS.get(config.backend).exactness(config)
 
     def output_length(self, config: Config) -> dict:
-        if config not in self._lengths:
+        if config not in self._tokens:
             self.speed(config)
+        if config not in self._lengths:  # its engine stayed open (the reference, or a reusable candidate)
+            backend = self._served[config] if config in self._served else self._backend_for(config)
+            self._remember(config, backend)
+            self._lengths[config] = self._natural(backend.config, backend)
         if "error" in self._lengths[config]:
             raise UserError(f"the natural end-of-turn run (length gate) failed: {self._lengths[config]['error']}")
         return self._lengths[config]
+
+    def _natural(self, serving, backend) -> dict:
+        """Output tokens per prompt with natural end-of-turn (the length gate's run, untimed)."""
+        t0 = time.perf_counter()
+        natural = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
+                                num_prompts=self.length_prompts, output_len=self.length_tokens, ignore_eos=False,
+                                data_dir=self.data_dir, max_total_tokens=self.length_positions)
+        if natural.failed:
+            return {"error": str(natural.summary.get("error"))}
+        counts = [len(r.token_ids) for r in natural.results]
+        return {"counts": counts, "max_tokens": self.length_tokens, "prompts": natural.record.lengths.source,
+                "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts),
+                "run_s": time.perf_counter() - t0}
+
+    def _remember(self, config: Config, backend) -> None:
+        """Keep the engine a point ran on for its later runs (the length gate's comes after its twin's, when the
+        search checks exactness), the last ``RESIDENT_ENGINES`` points'."""
+        self._served.pop(config, None)
+        self._served[config] = backend
+        while len(self._served) > RESIDENT_ENGINES:
+            self._served.pop(next(iter(self._served)))
+
+    def _backend_for(self, config: Config):
+        """The engine a point runs on: the resident reference for the reference point where points are paired with
+        it, else its own (``_engine``)."""
+        if config == self.reference and not self._unpaired_reason(config):
+            return self._reference_backend()
+        return self._engine(serving_config(config, threads=self.threads, compile=self.compile))
 
     def speed(self, config: Config) -> SpeedResult:
         serving = serving_config(config, threads=self.threads, compile=self.compile)
@@ -226,9 +265,8 @@ class RealEvaluator:
         reference = None if self._unpaired_reason(config) else self._reference_backend()
         opening_build_s = _compile_s(reference) - built_before if reference is not None else 0.0
         t_reference = time.perf_counter()
-        # the reference point runs on the resident reference engine when points are paired with it
-        own = reference is None or config != self.reference
-        backend = self._engine(serving) if own else reference
+        backend = self._backend_for(config)
+        own = backend is not reference
         t1 = time.perf_counter()
         try:
             result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
@@ -238,27 +276,20 @@ class RealEvaluator:
             t_paired = time.perf_counter()
             paired = self._paired(backend, config, [r.index for r in result.results])
             t_natural = time.perf_counter()
-            natural = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
-                                    num_prompts=self.num_prompts, output_len=self.length_tokens, ignore_eos=False,
-                                    data_dir=self.data_dir)
+            if own and not backend.reusable:  # closed below: its length run now (else on demand, ``output_length``)
+                self._lengths[config] = self._natural(serving, backend)
         finally:
             if own and not backend.reusable:
                 backend.close()
-        t2 = time.perf_counter()
+        if not own or backend.reusable:
+            self._remember(config, backend)
         self._tokens[config] = [r.token_ids for r in result.results]
-        if natural.failed:
-            self._lengths[config] = {"error": str(natural.summary.get("error"))}
-        else:
-            counts = [len(r.token_ids) for r in natural.results]
-            self._lengths[config] = {"mean_tokens": sum(counts) / len(counts), "max_tokens": self.length_tokens,
-                                     "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts)}
         record = result.record.to_dict()
         own_build_s = _compile_s(backend) if own else 0.0  # built in its warm-up, inside bench_s
         reference_build_s = _compile_s(reference) - built_before if reference is not None else 0.0
         extra = {"reference_start_s": t_reference - t0 - opening_build_s, "engine_start_s": t1 - t_reference,
-                 "bench_s": t2 - t1 - own_build_s - (reference_build_s - opening_build_s),
-                 "compile_s": own_build_s + reference_build_s,
-                 "paired_s": t_natural - t_paired, "length_run_s": t2 - t_natural}
+                 "bench_s": t_paired - t1 - own_build_s - (reference_build_s - opening_build_s),
+                 "compile_s": own_build_s + reference_build_s, "paired_s": t_natural - t_paired}
         if paired is None:
             record["results"]["paired"] = {"granularity": self._unpaired_reason(config)}
             return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=record, extra=extra,
@@ -324,6 +355,7 @@ class RealEvaluator:
         if self._reference is not None:
             self._reference.close()
             self._reference = None
+        self._served = {}
 
     def greedy_tokens(self, config: Config) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""

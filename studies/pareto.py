@@ -47,6 +47,8 @@ class Row:
     exact: dict | None = None  # greedy-output equality of a speculative config vs its non-speculative twin
     quality_basis: str | None = None  # measured | exact by construction | verified | infeasible: why
     length_ratio: float | None = None  # mean output tokens (natural end-of-turn) / the reference's
+    length_ci: tuple[float, float] | None = None  # its paired 95% interval (None: one prompt)
+    length_verdict: str | None = None  # pass | fail | undecidable | off (``studies.length_gate``)
     eot_rate: float | None = None  # share of outputs that ended at end-of-turn before the limit
     infeasible_because: list[str] = field(default_factory=list)  # the constraints it breaks
     failed_constraints: list[str] = field(default_factory=list)  # their names: quality_floor, exactness, length_band
@@ -148,6 +150,7 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
         exact=attrs.get("exact_check"),
         quality_basis=(f"{basis['kind']}: {basis['why']}" if basis else None),
         length_ratio=length.get("ratio"), eot_rate=length.get("eot_rate"),
+        length_ci=tuple(length["ratio_ci"]) if length.get("ratio_ci") else None, length_verdict=length.get("verdict"),
         duplicate_of=attrs.get("duplicate_of"), step=engine.get("step"), compile_s=engine.get("compile_s"),
         reason=attrs.get("pruned_reason") or attrs.get("error") or attrs.get("stale") or attrs.get("surplus"),
     )
@@ -157,8 +160,8 @@ def _row(trial: optuna.trial.FrozenTrial) -> Row:
             row.infeasible_because.append(
                 _floor_reason(quality) if name == "quality_floor" else
                 f"quality not applicable ({basis.get('why', 'outputs differ')})" if name == "exactness" else
-                f"output length {length.get('ratio', float('nan')):.2f}x the reference's, outside "
-                f"{length.get('band')}" if name == "length_band" else name)
+                f"{length.get('text') or 'output length'}, outside {length.get('band')}" if name == "length_band"
+                else name)
     if config.get("weights", "").startswith(Q4_1_SCHEME) and is_default_model(config.get("model", "")):
         row.notes.append("q4_1")
     return row

@@ -20,9 +20,10 @@ touch, so re-measuring them would only copy the twin's number again; the outputs
 
 Constraints, set with ``Trial.set_constraint`` (Optuna 5's replacement for the deprecated ``constraints_func``;
 TPE and NSGA-II both read them; feasible = all <= 0): ``quality_floor`` = floor - quality; ``exactness``
-(speculative trials); ``length_band`` (MLPerf's second gate: mean output tokens per sample with natural
-end-of-turn, divided by the reference's, must lie in ``--length-band``; max(lo - r, r - hi) <= 0; off with
-``--length-band off``, recorded in the study).
+(speculative trials); ``length_band`` (MLPerf's second gate: mean output tokens per prompt with natural
+end-of-turn over the reference's on the same prompts must lie in ``--length-band``; enforced only where the
+prompts decide it, ``studies.length_gate``; lengths are measured once per serving transformation, and an exact
+speculative point shares its twin's; off with ``--length-band off``, recorded in the study).
 
 Several workers on one study end with exactly ``n_trials`` finished trials: a worker starts a trial only while
 finished + in-flight trials are fewer, and a trial that two workers started at once beyond the target ends FAIL
@@ -48,6 +49,7 @@ from studies.objective import QualityResult, SpeedResult, TrialEvaluator
 from studies.samplers import SAMPLERS, PerTrialSeed, trial_seed
 from studies.space import SearchSpace, invalid_reason, load_space
 from studies.defaults import DEFAULT_STUDY_DIR, GRACE_S, HEARTBEAT_S
+from studies.length_gate import decide_length
 from studies.storage import (WORKER_ATTR, awaiting_trials, in_flight, open_storage, recover_stale_trials,
                              storage_url, worker_id)
 
@@ -55,7 +57,8 @@ DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
 METRIC_NAMES = {"constrained": ["tok_s"], "pareto": ["tok_s", "quality"]}  # optuna-dashboard's axis names
 CONSTRAINT, EXACTNESS, LENGTH = "quality_floor", "exactness", "length_band"
 DEFAULT_LENGTH_BAND = (0.9, 1.1)
-REFERENCE_LENGTH_ATTR = "reference_length"
+LENGTH_ATTR = "length/"  # study user attr prefix, one entry per serving transformation (``length_key``)
+EXACT_BASES = ("exact by construction", "verified")  # quality bases under which a point serves its twin's outputs
 QUALITY_ATTR = "quality/"  # study user attr prefix, one entry per quality key
 CLAIM_ATTR, SURPLUS_ATTR = "quality_claim", "surplus"
 CLAIM_SETTLE_S = 0.3  # a claimant looks for rivals this long after claiming, so concurrent claims see each other
@@ -107,6 +110,13 @@ def parse_length_band(text) -> tuple[float, float] | None:
     if not 0 < lo <= 1 <= hi:
         raise UserError(f"--length-band needs 0 < LO <= 1 <= HI, got {lo},{hi}")
     return lo, hi
+
+
+def length_key(config: Config, exact: bool) -> str:
+    """What decides a point's greedy outputs: backend, dtype and transformation, plus the proposer and K unless
+    the point is exact (then it serves its non-speculative twin's outputs)."""
+    key = f"{config.backend}|{config.dtype}|{config.quality_key}"
+    return key if exact or not config.speculative else f"{key}|{config.label}"
 
 
 def study_quality_key(config: Config) -> str:
@@ -269,7 +279,7 @@ class TrialRunner:
             self._prune(trial, reason)
         try:
             quality, speed = self._measure(trial, config)
-            length = trial.user_attrs.get("length") or self._length_gate(config, speed)  # a duplicate has it
+            length = trial.user_attrs.get("length") or self._length_gate(trial, config)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -346,25 +356,36 @@ class TrialRunner:
             + ": the twin's quality does not apply, and the quality tasks (log-likelihoods of the target model, "
               "which speculation does not change) cannot measure what this generator emits")}
 
-    def _length_gate(self, config: Config, speed: SpeedResult) -> dict:
-        """Mean output tokens per sample (natural end-of-turn) vs the reference's, and the band constraint."""
+    def _length_gate(self, trial: optuna.Trial, config: Config) -> dict:
+        """Output tokens per prompt (natural end-of-turn) vs the reference's on the same prompts, and the band's
+        verdict (``studies.length_gate``)."""
         band = self.settings.length_band
-        measure = getattr(self.evaluator, "output_length", None)
-        if measure is None:
+        if getattr(self.evaluator, "output_length", None) is None:
             return {"band": list(band) if band else None, "constraint": None,
                     "note": "not measured: the evaluator has no output_length"}
-        mine = measure(config)
-        ref = self.study.user_attrs.get(REFERENCE_LENGTH_ATTR)
-        if ref is None:
-            ref = mine if config == self.space.reference() else measure(self.space.reference())
-            self.study.set_user_attr(REFERENCE_LENGTH_ATTR, ref)
-        ratio = mine["mean_tokens"] / ref["mean_tokens"] if ref["mean_tokens"] else float("inf")
-        out = {"mean_tokens": mine["mean_tokens"], "eot_rate": mine["eot_rate"],
-               "reference_mean_tokens": ref["mean_tokens"], "reference_eot_rate": ref["eot_rate"], "ratio": ratio,
-               "band": list(band) if band else None}
-        if band is None:
-            return out | {"constraint": None, "note": "length band off (--length-band off): recorded, not enforced"}
-        return out | {"constraint": max(band[0] - ratio, ratio - band[1])}
+        exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
+        reference = self.space.reference()
+        mine, ref = self._lengths(config, exact), self._lengths(reference, False)
+        verdict = decide_length(mine["counts"], ref["counts"], band,
+                                identical=length_key(config, exact) == length_key(reference, False))
+        out = verdict.to_dict() | {"eot_rate": mine["eot_rate"], "reference_eot_rate": ref["eot_rate"],
+                                   "measured_on": mine["measured_on"], "prompts": mine.get("prompts")}
+        if verdict.verdict == "off":
+            out["note"] = "length band off (--length-band off): recorded, not enforced"
+        elif verdict.verdict == "undecidable":
+            out["note"] = (f"undecidable on {verdict.n} prompt(s): its interval straddles the band; recorded, not "
+                           "enforced (more --length-prompts decide it)")
+        return out
+
+    def _lengths(self, config: Config, exact: bool) -> dict:
+        """Output lengths of what ``config`` serves, measured once per study and serving transformation (study user
+        attr): an exact speculative point serves its twin's outputs, so it shares its twin's lengths."""
+        key = LENGTH_ATTR + length_key(config, exact)
+        stored = self.study.user_attrs.get(key)
+        if stored is None:
+            stored = self.evaluator.output_length(config) | {"measured_on": config.label}
+            self.study.set_user_attr(key, stored)
+        return stored
 
     def _finished_duplicate(self, config: Config):
         wanted = config.to_dict()

@@ -220,3 +220,25 @@ def test_the_speed_verdicts_follow_the_thread_count(monkeypatch):
     assert all("slower than" in why for why in answers[0].values())
     assert answers[1]["bf16gemv"] is None and answers[1]["int8gemv"] is None
     assert answers[1]["once"] == answers[0]["once"]  # negative control
+
+
+@RUNS
+def test_a_tie_on_the_probe_goes_to_our_kernel(monkeypatch):
+    """``bf16gemv`` runs where the probe times it within ``hardware.TIE`` of the kernel it displaces (181 vs 178 us:
+    one AMX Xeon ranked that pair both ways between runs) and not beyond it; negative control: the strict rule
+    (ours must be faster) refused that tie, so which kernel ran, and the reference's greedy text, followed noise."""
+    from runtime import hardware
+
+    other = packed_linear.displaced()
+    timings = {}
+    monkeypatch.setattr(packed_linear, "streamed_decode_us", lambda *_, **__: timings)
+    for tie, ours, verdict in ((hardware.TIE, 181.0, None), (hardware.TIE, 178.0 * (1 + hardware.TIE) + 1, "slower"),
+                               (0.0, 181.0, "slower")):  # the last: the strict rule
+        monkeypatch.setattr(hardware, "TIE", tie)
+        timings.update({packed_linear.GEMV: ours, other: 178.0})
+        packed_linear._gemv_verdict.cache_clear()
+        try:
+            got = packed_linear._gemv_verdict(Path("test-tie"))
+        finally:
+            packed_linear._gemv_verdict.cache_clear()
+        assert got is None if verdict is None else got.startswith(f"slower than {other}")

@@ -35,6 +35,7 @@ if os.environ.get("TOY_HOST"):  # a worker that should look remote: only Optuna'
 if os.environ.get("TOY_OPTUNA_LOG"):  # a worker that keeps Optuna's per-trial log lines (run_search silences them)
     optuna.logging.set_verbosity = lambda *_: None
 QUALITY = {"none": 1.0, "w8ch-sym": 0.995, "w4g32-asym": 0.99, "w4g32-sym": 0.9}
+TOY_LENGTHS = [90, 100, 110, 100]  # natural end-of-turn output tokens per prompt
 SPEED = {"none": 20.0, "w8ch-sym": 26.0, "w4g32-asym": 30.0, "w4g32-sym": 31.0}
 
 
@@ -44,8 +45,9 @@ class ToyEvaluator:
 
     ``fail_on`` makes speed() raise for that weight scheme; ``log`` appends one JSON line per measurement.
     ``diverge_on``: speculative points of that scheme emit other greedy tokens than their twin (and are not exact
-    by construction for ``unprobed_on``); ``long_on``: that scheme answers 30% longer. vLLM points score 0.03 lower
-    than native (their own backend's quality)."""
+    by construction for ``unprobed_on``); ``long_on``: that scheme answers 30% longer on every prompt;
+    ``uneven_on``: its lengths move both ways from prompt to prompt. vLLM points score 0.03 lower than native
+    (their own backend's quality)."""
 
     default_floor = "0.98"
 
@@ -55,8 +57,9 @@ class ToyEvaluator:
         return float(floor)
 
     def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None,
-                 diverge_on: str | None = None, unprobed_on: str | None = None, long_on: str | None = None, **_):
-        self.diverge_on, self.unprobed_on, self.long_on = diverge_on, unprobed_on, long_on
+                 diverge_on: str | None = None, unprobed_on: str | None = None, long_on: str | None = None,
+                 uneven_on: str | None = None, **_):
+        self.diverge_on, self.unprobed_on, self.long_on, self.uneven_on = diverge_on, unprobed_on, long_on, uneven_on
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
         self.quality_delay_s = float(os.environ.get("TOY_QUALITY_DELAY_S", 0))
         self.fail_on = os.environ.get("TOY_FAIL_ON", fail_on)
@@ -101,7 +104,11 @@ class ToyEvaluator:
         return {"by_construction": exact, "why": "toy probe"}
 
     def output_length(self, config: Config) -> dict:
-        return {"mean_tokens": 100.0 * (1.3 if config.weights == self.long_on else 1.0), "eot_rate": 1.0}
+        log_measurement(self.log, "length", config.label)
+        if config.weights == self.uneven_on:  # 2.5% longer on the mean, but unevenly: 4 prompts cannot decide
+            return {"counts": [130, 70, 115, 95], "eot_rate": 1.0}
+        scale = 1.3 if config.weights == self.long_on else 1.0
+        return {"counts": [round(scale * n) for n in TOY_LENGTHS], "eot_rate": 1.0}
 
 
 def log_measurement(log: str | None, what: str, label: str) -> None:
@@ -302,6 +309,45 @@ def test_length_band_gates_a_configuration_answering_longer(tmp_path, tiny_llama
         assert long.constraints["length_band"] == pytest.approx(0.2) and row.feasible is False
         assert any("output length 1.30x" in line for line in footer_lines(summary))
         assert summary.to_dict()["length_band"] == [0.9, 1.1]
+
+
+def test_an_undecided_length_gate_is_recorded_and_marked_not_enforced(tmp_path, tiny_llama_dir):
+    """w8ch-sym's lengths move both ways from prompt to prompt (mean 1.025x): its paired interval straddles the
+    band, so the gate is undecidable, the row stays feasible and the table marks it (``?`` and a footer line)."""
+    space = toy_space(tiny_llama_dir, weights=["none", "w8ch-sym"], kv=["none"], proposers=["none"])
+    outcome = run_search(settings(tmp_path, space, n_trials=2, sampler="random", seed=LUCKY),
+                         ToyEvaluator(uneven_on="w8ch-sym"))
+    [uneven] = _complete(outcome.study, weights="w8ch-sym")
+    length = uneven.user_attrs["length"]
+    assert length["verdict"] == "undecidable" and length["n"] == 4 and length["ratio"] == pytest.approx(1.025)
+    assert length["ratio_ci"][0] < 0.9 and length["ratio_ci"][1] > 1.1 and "not enforced" in length["note"]
+    assert "length_band" not in uneven.constraints
+    summary = summarize(outcome.study)
+    row = next(r for r in summary.rows if r.number == uneven.number)
+    assert row.feasible and row.length_verdict == "undecidable"
+    assert any(line.startswith("len ×ref ? =") and f"#{uneven.number}" in line for line in footer_lines(summary))
+
+
+def test_lengths_are_measured_once_per_transformation_and_shared_by_exact_speculation(tmp_path, tiny_llama_dir):
+    """An exact speculative point serves its twin's outputs, so it gets its twin's lengths (identical: the gate
+    passes at 1.00x) without a run of its own; a point whose greedy outputs differ from its twin's is measured
+    itself (negative control), and no serving transformation is measured twice."""
+    log = tmp_path / "measured.jsonl"
+    space = toy_space(tiny_llama_dir, weights=["none", "w4g32-asym"], kv=["none"], k=(2, 3))
+    outcome = run_search(settings(tmp_path, space, n_trials=12, sampler="random", exact_fraction=0.0),
+                         ToyEvaluator(diverge_on="w4g32-asym", unprobed_on="w4g32-asym", log=str(log)))
+    measured = measurements(log, "length")
+    assert len(measured) == len(set(measured))
+    exact = _complete(outcome.study, weights="none", proposer="ngram")
+    differs = _complete(outcome.study, weights="w4g32-asym", proposer="ngram")
+    assert exact and differs
+    for t in exact:
+        length = t.user_attrs["length"]
+        assert t.user_attrs["label"] not in measured and length["measured_on"] == "none"
+        assert length["verdict"] == "pass" and length["ratio"] == 1.0 and t.constraints["length_band"] <= 0
+    for t in differs:
+        assert t.user_attrs["label"] in measured and t.user_attrs["length"]["measured_on"] == t.user_attrs["label"]
+    assert measured.count("none") == 1
 
 
 def test_length_band_parsing():
@@ -883,3 +929,39 @@ def test_the_real_evaluator_keeps_a_build_for_the_points_it_serves(tiny_llama_di
     assert engine(spec="ngram:min=1,max=3", k=2).lm is not plain.lm and opened[-1] == "none"
     evaluator.close()
     assert sorted(closed) == sorted(opened)  # each engine closed once
+
+
+@pytest.mark.data
+def test_the_length_run_uses_the_engine_its_speed_run_served_on(tiny_llama_dir, data_dir, monkeypatch):
+    """The length gate's natural run of a point comes after its speed run and after its twin's (the search checks
+    exactness first, and decides whether it shares its twin's lengths), on the engine its speed ran on: no new
+    build, no new verification step. Each prompt stops at the end of turn or at ``length_tokens``; negative control:
+    with the served engines forgotten, the run gets another backend object (a share of the resident build)."""
+    from studies import objective
+
+    used = []
+    real_run = objective.run_benchmark
+
+    def spying_run(serving, workload, load, **kw):
+        used.append((serving.config, kw["backend"], kw.get("ignore_eos", True)))
+        return real_run(serving, workload, load, **kw)
+
+    monkeypatch.setattr(objective, "run_benchmark", spying_run)
+    evaluator = objective.RealEvaluator(compile="eager", threads=1, num_prompts=1, output_len=4, length_tokens=6,
+                                        length_prompts=3, length_positions=1024, data_dir=str(data_dir))
+    spec = Config.parse(model=str(tiny_llama_dir), dtype="fp32", spec="ngram:min=1,max=3", k=2)
+    try:
+        evaluator.speed(spec)
+        evaluator.speed(spec.without_spec())  # the twin, as an exactness check runs it
+        [(_, served, fixed), (twin, _, _)] = used
+        lengths = evaluator.output_length(spec)
+        (config, natural, natural_fixed) = used[-1]
+        assert config == spec and natural is served and fixed and not natural_fixed and len(used) == 3
+        assert twin == spec.without_spec()
+        assert len(lengths["counts"]) == 3 and all(1 <= c <= 6 for c in lengths["counts"]) and "run_s" in lengths
+        assert evaluator.output_length(spec) is lengths and len(used) == 3  # measured once
+        evaluator._served, evaluator._lengths = {}, {}
+        evaluator.output_length(spec)
+        assert used[-1][1] is not served
+    finally:
+        evaluator.close()

@@ -28,7 +28,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     spec = Config(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
     open_study(settings).enqueue_trial(SearchSpace.params_of(spec))
     evaluator = get_evaluator("real", limit=12, num_prompts=1, output_len=24, fidelity_windows=1, length_tokens=48,
-                              protocol=FEW_ROUNDS)
+                              length_prompts=2, length_positions=256, protocol=FEW_ROUNDS)
     study = run_search(settings, evaluator).study
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     ref, spec_trial = trials[0], trials[1]
@@ -60,9 +60,11 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     else:
         assert basis["kind"] == "infeasible" and spec_trial.constraints["exactness"] == 1.0
         assert next(r for r in summarize(study).rows if r.number == 1).feasible is False
-    length = spec_trial.user_attrs["length"]  # natural end-of-turn lengths beside the reference's
+    length = spec_trial.user_attrs["length"]  # natural end-of-turn lengths beside the reference's, 2 prompts
     assert length["reference_mean_tokens"] > 0 and 0 <= length["eot_rate"] <= 1 and length["band"] == [0.9, 1.1]
-    assert ("length_band" in spec_trial.constraints) and ref.user_attrs["length"]["ratio"] == 1.0
+    assert length["n"] == 2 and ("length_band" in spec_trial.constraints) == (length["verdict"] != "undecidable")
+    assert "<= 256 tokens" in length["prompts"] and length["measured_on"] == spec_trial.user_attrs["label"]
+    assert ref.user_attrs["length"]["ratio"] == 1.0 and ref.user_attrs["length"]["verdict"] == "pass"
     summary = summarize(study)
     assert summary.conditions.startswith("model default (SmolLM2-135M-Instruct), bf16, quality on arc_easy, ")  # subtitle
     row = next(r for r in summary.rows if r.number == 1)
@@ -103,7 +105,8 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
 
 def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model_dir, data_dir):
     """Every cache span is a compiled step built again (minutes each on some CPUs): the demo's natural-length runs
-    read only the spans its timed runs read. Negative control: the search's default gate (256 tokens) adds two."""
+    (its 4 length prompts within 256 positions) read only the span its timed runs read. Negative control: the
+    same number of prompts without the position bound reaches another span (the 517-token prompt)."""
     import quantspec
     from runtime.compiled import cache_span
     from runtime.loading import load_tokenizer
@@ -111,11 +114,14 @@ def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model
     from serving.workloads import build_requests
 
     _, evaluator = quantspec.demo_settings(data_dir=str(data_dir))
-    requests, _ = build_requests(evaluator.workload, load_tokenizer(default_model_dir), evaluator.num_prompts,
-                                 evaluator.output_len, True, data_dir)
+    tok = load_tokenizer(default_model_dir)
 
-    def spans(output_len: int) -> set[int]:
+    def spans(num_prompts: int, output_len: int, bound: int | None = None) -> set[int]:
+        requests, _ = build_requests(evaluator.workload, tok, num_prompts, output_len, True, data_dir,
+                                     max_total_tokens=bound)
         return {cache_span(len(r.prompt_ids) + output_len, ServingConfig.max_model_len) for r in requests}
 
-    assert spans(evaluator.length_tokens) == spans(evaluator.output_len)
-    assert len(spans(256) | spans(evaluator.output_len)) > len(spans(evaluator.output_len))  # negative control
+    timed = spans(evaluator.num_prompts, evaluator.output_len)
+    assert spans(evaluator.length_prompts, evaluator.length_tokens, evaluator.length_positions) == timed
+    assert evaluator.length_prompts == 4 and len(timed) == 1
+    assert spans(evaluator.length_prompts, evaluator.length_tokens) - timed  # negative control: no bound

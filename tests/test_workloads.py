@@ -77,3 +77,20 @@ def test_bad_workload(tok, args, needle):
 def test_bad_output_len(tok):
     with pytest.raises(UserError, match="--output-len"):
         build_requests("short-short", tok, 2, output_len=0)
+
+
+@pytest.mark.data
+def test_a_position_bound_skips_the_prompts_that_do_not_fit(tok):
+    """As vLLM's ShareGPT sampling skips sequences too long: only prompts whose tokens plus output fit the bound,
+    in the workload's order; without it (negative control) the same first prompts reach past it."""
+    free, _ = build_requests("spec_bench", tok, num_prompts=8, output_len=64, ignore_eos=False)
+    assert any(len(r.prompt_ids) + 64 > 256 for r in free)
+    bounded, source = build_requests("spec_bench", tok, num_prompts=8, output_len=64, ignore_eos=False,
+                                     max_total_tokens=256)
+    assert len(bounded) == 8 and all(len(r.prompt_ids) + r.max_tokens <= 256 for r in bounded)
+    fitting = [r.prompt_ids for r in free if len(r.prompt_ids) + 64 <= 256]
+    assert [r.prompt_ids for r in bounded][:len(fitting)] == fitting and "<= 256 tokens" in source
+    with pytest.raises(UserError, match="no spec_bench prompt fits 8 positions"):
+        build_requests("spec_bench", tok, num_prompts=2, output_len=4, max_total_tokens=8)
+    with pytest.raises(UserError, match="longer than 100 positions"):
+        build_requests("long-short", tok, num_prompts=2, max_total_tokens=100)
