@@ -80,7 +80,7 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
 
     sqlite_url, log = f"sqlite:///{tmp_path}/one.db", tmp_path / "measured.jsonl"
     demo = ("--evaluator", "real", "--space", "demo", "--floor", "0.5", "--limit", "20", "--num-prompts", "1",
-            "--output-len", "8", "--length-tokens", "16", "--threads", "1", "--n-trials", "4",
+            "--output-len", "8", "--length-tokens", "16", "--length-prompts", "1", "--threads", "1", "--n-trials", "4",
             "--noise-threshold", str(FEW_ROUNDS.threshold))
     env = {"HF_HUB_OFFLINE": "1"}
     hang_guard_s = 1200  # not a speed target: on a 2-core AVX2-only CPU (bf16 emulated) one worker took 570 s
