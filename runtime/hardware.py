@@ -185,17 +185,22 @@ def shape_class(rows: int) -> str:
     return "decode" if rows <= 8 else "batch"
 
 
-def _time_us(fn: Callable[[], object], rounds: int = 5, calls: int = 4) -> float:
-    """Best of ``rounds`` mean call times (the least disturbed by other work on the machine)."""
+def _warm(fn: Callable[[], object]) -> None:
     for _ in range(3):  # first calls pay one-time costs (oneDNN JIT, page faults)
         fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e6
+
+
+def _mean_call_s(fn: Callable[[], object], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def _time_us(fn: Callable[[], object], rounds: int = 5, calls: int = 4) -> float:
+    """Best of ``rounds`` mean call times (the least disturbed by other work on the machine)."""
+    _warm(fn)
+    return min(_mean_call_s(fn, calls) for _ in range(rounds)) * 1e6
 
 
 # how ``ranked`` times its candidates (stored with each ranking: a ranking measured another way is measured again)
@@ -210,15 +215,11 @@ def _interleaved_us(fns: dict[str, Callable[[], object]], rounds: int = 7, calls
     AMX Xeon where four later measurements read 202-230 against 88-128, and that ranking, cached, ran the demo's
     reference at 23 tok/s where bf16gemv ran it at 38."""
     for fn in fns.values():
-        for _ in range(3):  # first calls pay one-time costs (oneDNN JIT, page faults)
-            fn()
+        _warm(fn)
     times: dict[str, list[float]] = {c: [] for c in fns}
     for r in range(rounds):
         for c in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fns[c]()
-            times[c].append((time.perf_counter() - t0) / calls)
+            times[c].append(_mean_call_s(fns[c], calls))
     return {c: median(t) * 1e6 for c, t in times.items()}
 
 

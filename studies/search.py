@@ -365,9 +365,9 @@ class TrialRunner:
                     "note": "not measured: the evaluator has no output_length"}
         exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
         reference = self.space.reference()
-        mine, ref = self._lengths(config, exact), self._lengths(reference, False)
-        verdict = decide_length(mine["counts"], ref["counts"], band,
-                                identical=length_key(config, exact) == length_key(reference, False))
+        key, ref_key = length_key(config, exact), length_key(reference, False)
+        mine, ref = self._lengths(config, key), self._lengths(reference, ref_key)
+        verdict = decide_length(mine["counts"], ref["counts"], band, identical=key == ref_key)
         out = verdict.to_dict() | {"eot_rate": mine["eot_rate"], "reference_eot_rate": ref["eot_rate"],
                                    "measured_on": mine["measured_on"], "prompts": mine.get("prompts")}
         if verdict.verdict == "off":
@@ -377,14 +377,13 @@ class TrialRunner:
                            "enforced (more --length-prompts decide it)")
         return out
 
-    def _lengths(self, config: Config, exact: bool) -> dict:
-        """Output lengths of what ``config`` serves, measured once per study and serving transformation (study user
-        attr): an exact speculative point serves its twin's outputs, so it shares its twin's lengths."""
-        key = LENGTH_ATTR + length_key(config, exact)
-        stored = self.study.user_attrs.get(key)
+    def _lengths(self, config: Config, key: str) -> dict:
+        """Output lengths of what ``config`` serves, measured once per study and ``length_key`` (study user attr):
+        an exact speculative point serves its twin's outputs, so it shares its twin's lengths."""
+        stored = self.study.user_attrs.get(LENGTH_ATTR + key)
         if stored is None:
             stored = self.evaluator.output_length(config) | {"measured_on": config.label}
-            self.study.set_user_attr(key, stored)
+            self.study.set_user_attr(LENGTH_ATTR + key, stored)
         return stored
 
     def _finished_duplicate(self, config: Config):
