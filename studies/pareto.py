@@ -233,8 +233,8 @@ def mark_front(rows: list[Row]) -> None:
 
 CSV_FIELDS = ("number", "state", "label", "backend", "tok_s", "tok_s_ci_low", "tok_s_ci_high", "speedup",
               "speedup_ci_low", "speedup_ci_high", "noisy", "rounds", "load", "not_separable", "quality", "accuracy", "delta", "ci_low",
-              "ci_high", "flips", "kl", "alpha", "tau", "feasible", "pareto", "exact", "quality_basis", "length_ratio", "eot_rate",
-              "duplicate_of", "reason", "notes")
+              "ci_high", "flips", "kl", "alpha", "tau", "feasible", "pareto", "exact", "quality_basis", "length_ratio",
+              "length_ci_low", "length_ci_high", "length_verdict", "eot_rate", "duplicate_of", "reason", "notes")
 
 
 def write_csv(summary: StudySummary, path: str | Path) -> Path:
@@ -246,6 +246,7 @@ def write_csv(summary: StudySummary, path: str | Path) -> Path:
         d["ci_low"], d["ci_high"] = (r.ci or [None, None])[:2]
         d["tok_s_ci_low"], d["tok_s_ci_high"] = (r.tok_s_ci or [None, None])[:2]
         d["speedup_ci_low"], d["speedup_ci_high"] = (r.speedup_ci or [None, None])[:2]
+        d["length_ci_low"], d["length_ci_high"] = r.length_ci or (None, None)
         d["exact"] = None if r.exact is None else r.exact["equal"]
         d["notes"] = ";".join(summary.notes.get(n, n) for n in r.notes)
         writer.writerow({k: d.get(k) for k in CSV_FIELDS})

@@ -3,6 +3,7 @@ persistence (kill -9 + --resume), three workers on one storage (journal, SQLite,
 found by Optuna's heartbeat, and the Pareto table."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import select
@@ -326,6 +327,9 @@ def test_an_undecided_length_gate_is_recorded_and_marked_not_enforced(tmp_path, 
     row = next(r for r in summary.rows if r.number == uneven.number)
     assert row.feasible and row.length_verdict == "undecidable"
     assert any(line.startswith("len ×ref ? =") and f"#{uneven.number}" in line for line in footer_lines(summary))
+    rows = csv.DictReader(open(write_csv(summary, tmp_path / "t.csv")))
+    [csv_row] = [r for r in rows if r["number"] == str(uneven.number)]
+    assert csv_row["length_verdict"] == "undecidable" and float(csv_row["length_ci_low"]) < 0.9
 
 
 def test_lengths_are_measured_once_per_transformation_and_shared_by_exact_speculation(tmp_path, tiny_llama_dir):
