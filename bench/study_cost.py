@@ -4,8 +4,8 @@ speed runs, greedy-equality checks, and the rest (Optuna, storage, pruned points
 Usage: flock /tmp/qs-bench.lock python bench/study_cost.py [--n-trials 30] [--space default] [--limit 200]
                                                              [--compile auto] [--cold] [--out FILE]
 Quality is cached per model transformation inside the study and on disk by evals (a second run of this script
-finds every eval cached; ``--cold`` gives the run empty eval and inductor caches, what a first search pays); the
-record states how many quality evals were computed vs served from the cache.
+finds every eval and calibrated quantization cached; ``--cold`` gives the run empty eval, inductor and quantization
+caches, what a first search pays); the record states how many quality evals were computed vs served from the cache.
 Writes bench/results/study_cost.json (a full run record), keeps the study (SQLite, bench/results/study_cost/
 study.db, a fresh study each run) and its table (bench/results/study_cost-pareto.json), so the search result
 can be re-rendered: ``quantspec pareto --study-dir bench/results/study_cost --study-name study-cost``.
@@ -31,6 +31,7 @@ from studies.search import SearchSettings, finished_trials, run_search
 from studies.space import load_space
 from runtime.argtypes import positive_int
 from runtime.compiled import SETTINGS
+from quant.store import STORE_ENV
 
 
 class TimedEvaluator:
@@ -99,7 +100,8 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--compile", default="auto", choices=SETTINGS,
                         help="decode step of every speed run (runtime/compiled.py); builds counted apart")
-    parser.add_argument("--cold", action="store_true", help="empty eval and inductor caches (temporary directories)")
+    parser.add_argument("--cold", action="store_true",
+                        help="empty eval, inductor and calibrated-quantization caches (temporary directories)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "study_cost.json"))
     parser.add_argument("--study-dir", default=str(Path(__file__).parent / "results" / "study_cost"),
                         help="where the study's SQLite file is kept (replaced by each run)")
@@ -107,6 +109,7 @@ if __name__ == "__main__":
     if args.cold:
         os.environ["QUANTSPEC_EVAL_CACHE"] = tempfile.mkdtemp(prefix="qs-eval-cache-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qs-inductor-")
+        os.environ[STORE_ENV] = tempfile.mkdtemp(prefix="qs-quant-store-")
 
     evaluator = TimedEvaluator(get_evaluator("real", limit=args.limit, num_prompts=args.prompts,
                                              output_len=args.new_tokens, threads=args.threads,
@@ -157,8 +160,9 @@ if __name__ == "__main__":
             "storage": f"sqlite ({study_dir / 'study.db'}, study 'study-cost')", "table": str(table_path),
             "length_band": settings.length_band, "compile": args.compile},
             warmup="run_benchmark warms each engine on a non-workload prompt",
-            cache_warmth="empty eval and inductor caches (--cold)" if args.cold else
-            "eval results cached on disk by evals (a warm cache makes quality nearly free), inductor's cache as found"),
+            cache_warmth="empty eval, inductor and calibrated-quantization caches (--cold)" if args.cold else
+            "eval results and calibrated quantizations cached on disk (warm: quality and GPTQ nearly free), "
+            "inductor's cache as found"),
         metric=MetricCondition(
             {"wall_s": "time.perf_counter around run_search (study open to last trial)",
              "quality": "seconds inside evaluator.quality (lm-eval + fidelity), distinct transformations only",

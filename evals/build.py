@@ -8,7 +8,6 @@ leaves this process as a compressed-tensors checkpoint quantized by the same bui
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from quant.kvcache import calibrate_kv_scales, make_cache_factory
 from quant.quantize import QuantReport, quantize_fresh, quantize_w8a8
 from runtime.hardware import quantspec_home
 from runtime.loading import LoadedModel, load_model
-from runtime.model_store import resolve_model, weights_hash
+from runtime.model_store import resolve_model, weights_hash, weights_hash_once
 
 
 @dataclass
@@ -95,12 +94,6 @@ def as_checkpoint(config: Config) -> Config:
                    rotate=None)
 
 
-@functools.lru_cache(maxsize=8)
-def _hash_of(path: str, mtime: float) -> str:
-    return weights_hash(Path(path))
-
-
 def model_weights_hash(model: str) -> str:
     """``weights_hash`` of a model argument, computed once per process and checkpoint version."""
-    path = resolve_model(model)
-    return _hash_of(str(path), max((f.stat().st_mtime for f in path.glob("*.safetensors")), default=0.0))
+    return weights_hash_once(resolve_model(model))

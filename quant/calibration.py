@@ -15,6 +15,7 @@ model (no block-by-block re-collection on quantized outputs).
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,14 @@ class CalibConfig:
     @property
     def label(self) -> str:
         return f"{Path(self.source).name}:{self.samples}x{self.seqlen}:seed{self.seed}"
+
+    @property
+    def fingerprint(self) -> str:
+        """``label`` plus a hash of the text it reads (``self``: the model's own samples, fixed by the label)."""
+        if self.source == "self":
+            return self.label
+        text = TEXT_SOURCES[self.source](self) if self.source in TEXT_SOURCES else Path(self.source).read_text()
+        return f"{self.label}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 TEXT_SOURCES = {"wikitext2": lambda cfg: data_file(WIKITEXT2_VALID, cfg.data_dir).read_text()}

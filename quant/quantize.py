@@ -20,6 +20,7 @@ from quant.calibration import CalibConfig, calibration_batches, collect_layer_st
 from quant.methods import LayerStats, get_method
 from quant.smoothquant import apply_smoothquant
 from quant.w8a8 import STATIC_NEEDS, dynamic_twin, runs_static, set_static_input_scales
+from quant import store
 from quant.qlinear import QuantizedLinear
 from quant.rotation import apply_rotation, check_rotation
 from quant.scheme import QuantScheme, check_group_fits, is_ignored, padded_width, parse_scheme
@@ -50,6 +51,7 @@ class QuantReport:
     transform: dict
     seconds: float
     rotate: str | None = None  # the rotation applied before quantization (quant/rotation.py), None for none
+    stored: str | None = None  # the disk entry its calibrated layers were read from (quant/store.py), None: made here
 
     @property
     def simulated(self) -> bool:
@@ -131,9 +133,11 @@ def calibrate_input_global_scales(lm: LoadedModel, calib, names: list[str]) -> d
 
 @torch.no_grad()
 def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rtn", calib=None,
-                   progress: bool = True, rotate: str | None = None) -> QuantReport:
+                   progress: bool = True, rotate: str | None = None, stored: bool = False) -> QuantReport:
     """Replace ``lm.model``'s Linear layers by quantized ones in place (see module docstring); ``rotate``
-    (``hadamard``) rotates the full-precision model first, so calibration and the method see rotated weights."""
+    (``hadamard``) rotates the full-precision model first, so calibration and the method see rotated weights.
+    ``stored``: ``lm`` is as loaded from ``lm.path``, so a calibrated method's result is read from and kept in the
+    disk store (quant/store.py) instead of being calibrated again."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     if scheme.weights is None:
         raise UserError("scheme 'none' quantizes nothing: pick a weight scheme such as W8A16 or w4g32-asym")
@@ -142,29 +146,53 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
                         "weight quantization does not produce; use dynamic per-token activations (a8tok-dyn)")
     weight_method = get_method(method, scheme.weights)
     check_rotation(rotate, method)
-    spec, model, t_start = scheme.weights, lm.model, time.perf_counter()
+    t_start = time.perf_counter()
     plan_layers(lm, scheme)  # refusals before the rotation changes the model
     rotation = apply_rotation(lm, rotate)
     names, dense = plan_layers(lm, scheme)
     if "lm_head" in names:  # the head's own quantized copy; the embedding stays as it was
-        model.untie_lm_head()
+        lm.model.untie_lm_head()
+    calibrated = weight_method.needs_calibration or scheme.calibrated_global
+    if calibrated:
+        calib = calib or CalibConfig()
+    key = store.entry_key(lm.path, lm.precision, scheme.label, weight_method, calib, rotate) \
+        if stored and calibrated else None
+    made = store.load(key) if key else None
+    if made is None:
+        made = _calibrate(lm, scheme, weight_method, calib, names, progress, keep_changed=key is not None)
+        if key:
+            store.save(key, made)
+        stored_at = None
+    else:
+        for name, tensor in made.changed.items():
+            lm.model.get_parameter(name).copy_(tensor)
+        for name in names:
+            lm.model.set_submodule(name, _quantized_linear(lm.model.get_submodule(name), made, name, scheme, lm.dtype))
+        stored_at = str(store.store_dir() / key)
+    layers = [_report(name, lm.model.get_submodule(name), made, lm.dtype) for name in names]
+    return QuantReport(scheme, method, lm.precision, made.calibration, layers, dense,
+                       made.transform | ({"rotation": rotation} if rotation else {}), time.perf_counter() - t_start,
+                       rotation.get("rotate"), stored_at)
+
+
+def _calibrate(lm: LoadedModel, scheme: QuantScheme, weight_method, calib, names: list[str], progress: bool,
+               keep_changed: bool) -> store.Calibrated:
+    """Run ``weight_method`` on the named layers of ``lm`` (calibrating first if it needs statistics), putting each
+    quantized layer in place; ``keep_changed``: also keep the other parameters its transform rewrote."""
+    model, spec = lm.model, scheme.weights
     modules = dict(model.named_modules())
-
     stats: dict[str, LayerStats] = {}
-    calib_label = None
     if weight_method.needs_calibration:
-        calib = calib or CalibConfig()
-        calib_label = calib.label
         stats = collect_layer_stats(lm, calibration_batches(calib, lm), names, need=weight_method.needs)
-    transform_info = weight_method.transform(lm, stats, spec) | ({"rotation": rotation} if rotation else {})
-    input_global_scales = {}
-    if scheme.calibrated_global:  # NVFP4 activations
-        calib = calib or CalibConfig()
-        calib_label = calib.label
-        input_global_scales = calibrate_input_global_scales(lm, calib, names)
-
-    layers = []
-    for name in track(names, description=f"quantizing {scheme.label} ({method})", disable=not progress,
+    quantized = {f"{name}.weight" for name in names}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n not in quantized} if keep_changed else {}
+    transform = weight_method.transform(lm, stats, spec)
+    made = store.Calibrated({}, {}, {n: p.detach().clone() for n, p in model.named_parameters()
+                                     if n in before and not torch.equal(p, before[n])},
+                            calibrate_input_global_scales(lm, calib, names) if scheme.calibrated_global else {},
+                            transform, calib.label if weight_method.needs_calibration or scheme.calibrated_global
+                            else None)
+    for name in track(names, description=f"quantizing {scheme.label} ({weight_method.name})", disable=not progress,
                       transient=True):
         linear = modules[name]
         t0 = time.perf_counter()
@@ -175,20 +203,29 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
             w_in, layer_stats = F.pad(w, (0, width - linear.in_features)), _padded_stats(layer_stats, width)
         else:
             w_in = w
-        result = weight_method.quantize_weight(w_in, spec, layer_stats)
-        qlinear = QuantizedLinear.from_result(result, spec, linear.in_features, linear.bias, scheme.activations,
-                                              lm.dtype)
-        if name in input_global_scales:
-            qlinear.kernel.set_input_global_scale(input_global_scales[name])
+        made.results[name] = weight_method.quantize_weight(w_in, spec, layer_stats)
+        qlinear = _quantized_linear(linear, made, name, scheme, lm.dtype)
         w_hat = qlinear.dequantized_weight()
         model.set_submodule(name, qlinear)
-        layers.append(LayerReport(
-            name, (linear.out_features, linear.in_features), qlinear.kernel_name, qlinear.simulated,
-            linear.weight.numel() * linear.weight.element_size(), qlinear.format_bytes(),
-            ((w - w_hat).norm() / w.norm().clamp_min(1e-12)).item(), _output_error(stats.get(name), w, w_hat),
-            time.perf_counter() - t0, result.info))
-    return QuantReport(scheme, method, lm.precision, calib_label, layers, dense, transform_info,
-                       time.perf_counter() - t_start, rotation.get("rotate"))
+        made.errors[name] = (((w - w_hat).norm() / w.norm().clamp_min(1e-12)).item(),
+                             _output_error(stats.get(name), w, w_hat), time.perf_counter() - t0)
+    return made
+
+
+def _quantized_linear(linear: nn.Linear, made: store.Calibrated, name: str, scheme: QuantScheme,
+                      dtype: torch.dtype) -> QuantizedLinear:
+    qlinear = QuantizedLinear.from_result(made.results[name], scheme.weights, linear.in_features, linear.bias,
+                                          scheme.activations, dtype)
+    if name in made.input_global_scales:
+        qlinear.kernel.set_input_global_scale(made.input_global_scales[name])
+    return qlinear
+
+
+def _report(name: str, qlinear: QuantizedLinear, made: store.Calibrated, dtype: torch.dtype) -> LayerReport:
+    weight_error, output_error, seconds = made.errors[name]
+    return LayerReport(name, (qlinear.out_features, qlinear.in_features), qlinear.kernel_name, qlinear.simulated,
+                       qlinear.out_features * qlinear.in_features * dtype.itemsize, qlinear.format_bytes(),
+                       weight_error, output_error, seconds, made.results[name].info)
 
 
 QUANTIZED_CACHE_SIZE = 3
@@ -199,13 +236,14 @@ def quantize_fresh(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
                    progress: bool = True, rotate: str | None = None) -> QuantReport:
     """``quantize_model`` for a model just loaded from ``lm.path``: the result is memoised per (checkpoint,
     dtype, scheme, method, calibration set, rotation) in this process, so a search that evaluates quality, speed
-    and a greedy twin of one configuration calibrates (GPTQ, AWQ) once. ``lm.model`` gets its own copy, with the
+    and a greedy twin of one configuration calibrates (GPTQ, AWQ) once, and a calibrated one is kept on disk for
+    the next process (quant/store.py). ``lm.model`` gets its own copy, with the
     attention ``lm`` was loaded with (a runtime choice, not part of the quantized weights)."""
     scheme = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     calib_label = calib.label if calib is not None else "default"
     key = (str(lm.path), lm.dtype, scheme.label, method, calib_label, rotate)
     if key not in _quantized_models:
-        report = quantize_model(lm, scheme, method, calib, progress, rotate)
+        report = quantize_model(lm, scheme, method, calib, progress, rotate, stored=True)
         _quantized_models[key] = (copy.deepcopy(lm.model), report)
         while len(_quantized_models) > QUANTIZED_CACHE_SIZE:
             _quantized_models.pop(next(iter(_quantized_models)))

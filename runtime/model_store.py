@@ -7,6 +7,7 @@ plain safetensors directory under ``QUANTSPEC_HOME`` (default ``~/.cache/quantsp
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -191,3 +192,14 @@ def weights_hash(model_dir: Path) -> str:
         h.update(f.name.encode())
         h.update(_sha256(f).encode())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_hash_of(path: str, mtime: float) -> str:
+    return weights_hash(Path(path))
+
+
+def weights_hash_once(model_dir: Path) -> str:
+    """``weights_hash``, computed once per process and checkpoint version (its files' latest mtime)."""
+    mtime = max((f.stat().st_mtime for f in Path(model_dir).glob("*.safetensors")), default=0.0)
+    return _weights_hash_of(str(model_dir), mtime)

@@ -1,8 +1,11 @@
 """Shared fixtures: a tiny random Llama (unit tests) and the real default model (integration tests)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,11 @@ from quant.calibration import CalibConfig
 # `--compile auto` means eager in the suite: a compiled step costs about a minute on the default model, and the
 # compiled paths are tested with explicit modes (test_compiled.py); set QUANTSPEC_COMPILE to run the suite compiled
 os.environ.setdefault("QUANTSPEC_COMPILE", "eager")
+# calibrated quantizations (quant/store.py) kept per test process, not in the developer's home: a test that changes
+# how calibration runs must see it run
+if "QUANTSPEC_QUANT_STORE" not in os.environ:  # pytest-xdist's workers inherit their parent's
+    os.environ["QUANTSPEC_QUANT_STORE"] = tempfile.mkdtemp(prefix="qs-quant-store-")
+    atexit.register(shutil.rmtree, os.environ["QUANTSPEC_QUANT_STORE"], True)
 # tables are checked at the width they get in a log (pytest-xdist's workers set COLUMNS=80)
 os.environ["COLUMNS"] = "200"
 if os.environ.get("PYTEST_XDIST_WORKER"):
