@@ -666,6 +666,18 @@ def render_quant_quality(d: dict) -> str:
     ])
 
 
+@bench("quant_store.json", "Calibrated quantizations kept on disk", "bench/quant_store.py",
+       "Each point quantized in a fresh process with an empty store (it calibrates and writes the entry, "
+       "quant/store.py), then in another fresh process (it reads the entry); both decode the same prompt greedily. "
+       "Seconds are `quantize_fresh`'s wall time, model load excluded.")
+def render_quant_store(d: dict) -> str:
+    rows = [[x["scheme"], x["method"], x["calibration"], num(x["first_s"], 1), num(x["second_s"], 1),
+             num(x["ratio"], 0) + "x", num(x["entry_bytes"] / 1e6, 0), kernels_text(x.get("kernels")),
+             num(x["tokens_equal"])] for x in d["results"]["rows"]]
+    return table(["scheme", "method", "calibration", "first process s", "second process s", "first / second",
+                  "entry MB", "kernels (layers)", "greedy tokens equal"], rows)
+
+
 @bench("harness_overhead.json", "Harness overhead on vLLM", "bench/harness_overhead.py",
        "Our vLLM backend's closed loop against a bare `LLM.generate` on the same in-process engine and prompts, "
        "alternating rounds, median.")
@@ -897,10 +909,14 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
 @bench("study_cost.*json", "Search cost", "bench/study_cost.py",
        "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
        "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
-       "one point calibrate once. One file per run: `study_cost.json` ran eager, before compiled steps were the "
+       "one point calibrate once, and a calibrated one is kept on disk for the next process (quant/store.py; "
+       "`--cold` empties it too). One file per run: `study_cost.json` ran eager, before compiled steps were the "
        "default and before each point's speed was paired with the reference in rounds (it timed each point once); "
        "`study_cost.compiled.json` and `study_cost.eager.json` ran the same protocol with `--compile auto` and "
-       "`--compile eager`, from empty eval and inductor caches. TPE picks its points from the numbers it measures, "
+       "`--compile eager`, from empty eval and inductor caches, on the AMD EPYC; "
+       "`study_cost.compiled.intel-xeon-avx512-amx.json` ran `--compile auto` on the AMX Xeon from empty eval, "
+       "inductor and quantization caches, with the length gate and engines kept resident (sessions after the AMD "
+       "runs). TPE picks its points from the numbers it measures, "
        "so two runs do not time the same mix: compare the rows per call as well as the wall.")
 def render_study_cost(d: dict) -> str:
     r = d["results"]
@@ -960,7 +976,8 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
 bench("study_cost*-pareto.json", "Search cost: the searched tables", "bench/study_cost.py",
       "The tables of the studies timed above, columns as in the demo table below; each study is kept beside it "
       "(`study_cost/study.db` for `study_cost.json`: `quantspec pareto --study-dir bench/results/study_cost "
-      "--study-name study-cost`; `study_cost_compiled/` and `study_cost_eager/` for the other two).")(partial(render_demo, plot=None))
+      "--study-name study-cost`; `study_cost_compiled/`, `study_cost_eager/` and `study_cost_compiled_amx/` for the "
+      "others).")(partial(render_demo, plot=None))
 
 
 @bench("noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",

@@ -40,8 +40,8 @@ class TimedEvaluator:
     def __init__(self, inner):
         self.inner = inner
         self.default_floor = inner.default_floor
-        self.seconds = {"quality": 0.0, "engine_start": 0.0, "compile": 0.0, "speed_run": 0.0, "length_run": 0.0,
-                        "greedy_check": 0.0}
+        self.seconds = {"quality": 0.0, "engine_start": 0.0, "compile": 0.0, "speed_run": 0.0, "paired_rounds": 0.0,
+                        "length_run": 0.0, "greedy_check": 0.0}
         self.counts = Counter()  # calls per kind of work (speed: engine start + run)
 
     def floor_value(self, floor):
@@ -74,6 +74,7 @@ class TimedEvaluator:
         self.seconds["engine_start"] += result.extra["reference_start_s"] + result.extra["engine_start_s"]
         self.seconds["compile"] += result.extra["compile_s"]  # one-time builds of compiled steps (--compile)
         self.seconds["speed_run"] += result.extra["bench_s"]
+        self.seconds["paired_rounds"] += result.extra.get("paired_s", 0.0)  # interleaved rounds with the reference
         self.counts["speed"] += 1
         return result
 
@@ -140,7 +141,8 @@ if __name__ == "__main__":
         table.add_column(col, justify="right")
     calls = {"quality": evaluator.counts["quality"], "engine_start": evaluator.counts["speed"],
              "compile": evaluator.counts["speed"],
-             "speed_run": evaluator.counts["speed"], "length_run": evaluator.counts["length_run"],
+             "speed_run": evaluator.counts["speed"], "paired_rounds": evaluator.counts["speed"],
+             "length_run": evaluator.counts["length_run"],
              "greedy_check": evaluator.counts["greedy_check"]}
     for name, sec in seconds.items():
         table.add_row(name, f"{sec:.0f}", f"{100 * sec / wall:.0f}%", str(calls.get(name, "")))
@@ -169,6 +171,7 @@ if __name__ == "__main__":
              "engine_start": "open_backend: model load + quantization (+ pruned points refused at start)",
              "compile": "one-time builds of compiled decode steps (the records' compile_s; none with --compile eager)",
              "speed_run": "run_benchmark on an open engine (warm-up + measured requests, builds excluded)",
+             "paired_rounds": "the speed runs' interleaved rounds with the resident reference (the paired ratio)",
              "length_run": "the length gate's natural end-of-turn runs (one per serving transformation)",
              "greedy_check": "greedy-equality checks of sampled speculative trials (their non-spec twin runs)",
              "other": "wall minus the above: Optuna sampling, storage, invalid-point checks"},

@@ -48,7 +48,7 @@ class Row:
     quality_basis: str | None = None  # measured | exact by construction | verified | infeasible: why
     length_ratio: float | None = None  # mean output tokens (natural end-of-turn) / the reference's
     length_ci: tuple[float, float] | None = None  # its paired 95% interval (None: one prompt)
-    length_verdict: str | None = None  # pass | fail | undecidable | off (``studies.length_gate``)
+    length_verdict: str | None = None  # pass | fail | undecidable | off (``studies.length_gate``) | not measured
     eot_rate: float | None = None  # share of outputs that ended at end-of-turn before the limit
     infeasible_because: list[str] = field(default_factory=list)  # the constraints it breaks
     failed_constraints: list[str] = field(default_factory=list)  # their names: quality_floor, exactness, length_band

@@ -279,7 +279,7 @@ class TrialRunner:
             self._prune(trial, reason)
         try:
             quality, speed = self._measure(trial, config)
-            length = trial.user_attrs.get("length") or self._length_gate(trial, config)  # a duplicate has it
+            length = trial.user_attrs.get("length") or self._length_gate(trial, config, quality)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -356,13 +356,17 @@ class TrialRunner:
             + ": the twin's quality does not apply, and the quality tasks (log-likelihoods of the target model, "
               "which speculation does not change) cannot measure what this generator emits")}
 
-    def _length_gate(self, trial: optuna.Trial, config: Config) -> dict:
+    def _length_gate(self, trial: optuna.Trial, config: Config, quality: QualityResult) -> dict:
         """Output tokens per prompt (natural end-of-turn) vs the reference's on the same prompts, and the band's
-        verdict (``studies.length_gate``)."""
+        verdict (``studies.length_gate``); not measured for a point the quality floor or exactness already fails."""
         band = self.settings.length_band
         if getattr(self.evaluator, "output_length", None) is None:
             return {"band": list(band) if band else None, "constraint": None,
                     "note": "not measured: the evaluator has no output_length"}
+        infeasible = self._infeasible_before_length(trial, quality)
+        if infeasible:  # its natural-length runs (minutes on an eager step) could not change its verdict
+            return {"band": list(band) if band else None, "constraint": None, "verdict": "not measured",
+                    "note": f"not measured: infeasible already ({infeasible})"}
         exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
         reference = self.space.reference()
         key, ref_key = length_key(config, exact), length_key(reference, False)
@@ -376,6 +380,14 @@ class TrialRunner:
             out["note"] = (f"undecidable on {verdict.n} prompt(s): its interval straddles the band; recorded, not "
                            "enforced (more --length-prompts decide it)")
         return out
+
+    def _infeasible_before_length(self, trial: optuna.Trial, quality: QualityResult) -> str | None:
+        """Why the trial is infeasible whatever its length (below the floor, or not greedy-exact), or None."""
+        if self.floor - quality.value > 0:
+            return f"quality {quality.value:.3g} below the floor {self.floor:.3g}"
+        if (trial.user_attrs.get("quality_basis") or {}).get("kind") == "infeasible":
+            return "greedy outputs differ from its twin's"
+        return None
 
     def _lengths(self, config: Config, key: str) -> dict:
         """Output lengths of what ``config`` serves, measured once per study and ``length_key`` (study user attr):

@@ -334,8 +334,8 @@ def test_an_undecided_length_gate_is_recorded_and_marked_not_enforced(tmp_path, 
 
 def test_lengths_are_measured_once_per_transformation_and_shared_by_exact_speculation(tmp_path, tiny_llama_dir):
     """An exact speculative point serves its twin's outputs, so it gets its twin's lengths (identical: the gate
-    passes at 1.00x) without a run of its own; a point whose greedy outputs differ from its twin's is measured
-    itself (negative control), and no serving transformation is measured twice."""
+    passes at 1.00x) without a run of its own; a point whose greedy outputs differ from its twin's is infeasible
+    already, so it gets no length run at all; no serving transformation is measured twice."""
     log = tmp_path / "measured.jsonl"
     space = toy_space(tiny_llama_dir, weights=["none", "w4g32-asym"], kv=["none"], k=(2, 3))
     outcome = run_search(settings(tmp_path, space, n_trials=12, sampler="random", exact_fraction=0.0),
@@ -350,8 +350,27 @@ def test_lengths_are_measured_once_per_transformation_and_shared_by_exact_specul
         assert t.user_attrs["label"] not in measured and length["measured_on"] == "none"
         assert length["verdict"] == "pass" and length["ratio"] == 1.0 and t.constraints["length_band"] <= 0
     for t in differs:
-        assert t.user_attrs["label"] in measured and t.user_attrs["length"]["measured_on"] == t.user_attrs["label"]
+        assert t.user_attrs["label"] not in measured and t.user_attrs["length"]["verdict"] == "not measured"
+        assert "greedy outputs differ" in t.user_attrs["length"]["note"] and "length_band" not in t.constraints
     assert measured.count("none") == 1
+
+
+def test_a_point_below_the_floor_gets_no_length_run(tmp_path, tiny_llama_dir):
+    """The length gate's natural-end runs (minutes on an eager step) cannot make a point below the quality floor
+    feasible: w4g32-sym (0.9 < 0.98) is not measured and says why; w8ch-sym, above the floor, is (negative
+    control), and the table shows the first without a length ratio."""
+    log = tmp_path / "measured.jsonl"
+    space = toy_space(tiny_llama_dir, weights=["none", "w4g32-sym", "w8ch-sym"], kv=["none"], proposers=["none"])
+    outcome = run_search(settings(tmp_path, space, n_trials=8, sampler="random", seed=LUCKY),
+                         ToyEvaluator(log=str(log)))
+    measured = measurements(log, "length")
+    low, above = _complete(outcome.study, weights="w4g32-sym")[0], _complete(outcome.study, weights="w8ch-sym")[0]
+    assert low.user_attrs["label"] not in measured and above.user_attrs["label"] in measured
+    length = low.user_attrs["length"]
+    assert length["verdict"] == "not measured" and "below the floor" in length["note"]
+    assert low.constraints["quality_floor"] > 0 and "length_band" not in low.constraints
+    row = next(r for r in summarize(outcome.study).rows if r.number == low.number)
+    assert row.length_ratio is None and row.length_verdict == "not measured" and row.feasible is False
 
 
 def test_length_band_parsing():
