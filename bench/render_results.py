@@ -916,8 +916,7 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
        "`--compile eager`, from empty eval and inductor caches, on the AMD EPYC; "
        "`study_cost.compiled.intel-xeon-avx512-amx.json` ran `--compile auto` on the AMX Xeon from empty eval, "
        "inductor and quantization caches, with the length gate and engines kept resident (sessions after the AMD "
-       "runs; its `other` is almost all paired rounds, 776 of 783 s, which later records count apart as "
-       "`paired_rounds`); `study_cost.compiled-second.intel-xeon-avx512-amx.json` is the search run again on the "
+       "runs; its `other` is almost all paired rounds, which later records count apart as `paired_rounds`); `study_cost.compiled-second.intel-xeon-avx512-amx.json` is the search run again on the "
        "caches that run left (eval results, inductor's cache, calibrated quantizations), with points already "
        "infeasible no longer given length runs. TPE picks its points from the numbers it measures, "
        "so two runs do not time the same mix: compare the rows per call as well as the wall.")

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +62,7 @@ def store_dir() -> Path:
 def _source_digest(modules: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for name in modules:
-        h.update(Path(sys.modules[name].__file__).read_bytes())
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
     return h.hexdigest()
 
 
