@@ -155,11 +155,13 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
     calibrated = weight_method.needs_calibration or scheme.calibrated_global
     if calibrated:
         calib = calib or CalibConfig()
+    calibration = calib.label if calibrated else None
     key = store.entry_key(lm.path, lm.precision, scheme.label, weight_method, calib, rotate) \
         if stored and calibrated else None
     made = store.load(key) if key else None
     if made is None:
-        made = _calibrate(lm, scheme, weight_method, calib, names, progress, keep_changed=key is not None)
+        made = _calibrate(lm, scheme, weight_method, calib, calibration, names, progress,
+                          keep_changed=key is not None)
         if key:
             store.save(key, made)
         stored_at = None
@@ -175,8 +177,8 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
                        rotation.get("rotate"), stored_at)
 
 
-def _calibrate(lm: LoadedModel, scheme: QuantScheme, weight_method, calib, names: list[str], progress: bool,
-               keep_changed: bool) -> store.Calibrated:
+def _calibrate(lm: LoadedModel, scheme: QuantScheme, weight_method, calib, calibration: str | None,
+               names: list[str], progress: bool, keep_changed: bool) -> store.Calibrated:
     """Run ``weight_method`` on the named layers of ``lm`` (calibrating first if it needs statistics), putting each
     quantized layer in place; ``keep_changed``: also keep the other parameters its transform rewrote."""
     model, spec = lm.model, scheme.weights
@@ -190,8 +192,7 @@ def _calibrate(lm: LoadedModel, scheme: QuantScheme, weight_method, calib, names
     made = store.Calibrated({}, {}, {n: p.detach().clone() for n, p in model.named_parameters()
                                      if n in before and not torch.equal(p, before[n])},
                             calibrate_input_global_scales(lm, calib, names) if scheme.calibrated_global else {},
-                            transform, calib.label if weight_method.needs_calibration or scheme.calibrated_global
-                            else None)
+                            transform, calibration)
     for name in track(names, description=f"quantizing {scheme.label} ({weight_method.name})", disable=not progress,
                       transient=True):
         linear = modules[name]

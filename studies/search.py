@@ -56,6 +56,7 @@ from studies.storage import (WORKER_ATTR, awaiting_trials, in_flight, open_stora
 DIRECTIONS = {"constrained": ["maximize"], "pareto": ["maximize", "maximize"]}
 METRIC_NAMES = {"constrained": ["tok_s"], "pareto": ["tok_s", "quality"]}  # optuna-dashboard's axis names
 CONSTRAINT, EXACTNESS, LENGTH = "quality_floor", "exactness", "length_band"
+INFEASIBLE_WHY = {CONSTRAINT: "quality below the floor", EXACTNESS: "greedy outputs differ from its twin's"}
 DEFAULT_LENGTH_BAND = (0.9, 1.1)
 LENGTH_ATTR = "length/"  # study user attr prefix, one entry per serving transformation (``length_key``)
 EXACT_BASES = ("exact by construction", "verified")  # quality bases under which a point serves its twin's outputs
@@ -279,7 +280,8 @@ class TrialRunner:
             self._prune(trial, reason)
         try:
             quality, speed = self._measure(trial, config)
-            length = trial.user_attrs.get("length") or self._length_gate(trial, config, quality)  # a duplicate has it
+            constraints = self._constraints(trial, config, quality)
+            length = trial.user_attrs.get("length") or self._length_gate(trial, config, constraints)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -290,10 +292,8 @@ class TrialRunner:
         for name, value in flat_attrs(quality, speed).items():
             trial.set_user_attr(name, value)
         trial.set_user_attr("record", speed.record)
-        trial.set_constraint(CONSTRAINT, self.floor - quality.value)
-        basis = trial.user_attrs.get("quality_basis") or {}
-        if config.speculative:
-            trial.set_constraint(EXACTNESS, 0.0 if basis.get("kind") != "infeasible" else 1.0)
+        for name, value in constraints.items():
+            trial.set_constraint(name, value)
         trial.set_user_attr("length", length)
         if length.get("constraint") is not None:
             trial.set_constraint(LENGTH, length["constraint"])
@@ -356,17 +356,23 @@ class TrialRunner:
             + ": the twin's quality does not apply, and the quality tasks (log-likelihoods of the target model, "
               "which speculation does not change) cannot measure what this generator emits")}
 
-    def _length_gate(self, trial: optuna.Trial, config: Config, quality: QualityResult) -> dict:
+    def _constraints(self, trial: optuna.Trial, config: Config, quality: QualityResult) -> dict[str, float]:
+        """The quality floor's constraint, and exactness's for a speculative point (Optuna: feasible <= 0)."""
+        basis = trial.user_attrs.get("quality_basis") or {}
+        return {CONSTRAINT: self.floor - quality.value} | (
+            {EXACTNESS: 0.0 if basis.get("kind") != "infeasible" else 1.0} if config.speculative else {})
+
+    def _length_gate(self, trial: optuna.Trial, config: Config, constraints: dict[str, float]) -> dict:
         """Output tokens per prompt (natural end-of-turn) vs the reference's on the same prompts, and the band's
         verdict (``studies.length_gate``); not measured for a point the quality floor or exactness already fails."""
         band = self.settings.length_band
         if getattr(self.evaluator, "output_length", None) is None:
             return {"band": list(band) if band else None, "constraint": None,
                     "note": "not measured: the evaluator has no output_length"}
-        infeasible = self._infeasible_before_length(trial, quality)
-        if infeasible:  # its natural-length runs (minutes on an eager step) could not change its verdict
+        failed = [INFEASIBLE_WHY[name] for name, value in constraints.items() if value > 0]
+        if failed:  # its natural-length runs (minutes on an eager step) could not change its verdict
             return {"band": list(band) if band else None, "constraint": None, "verdict": "not measured",
-                    "note": f"not measured: infeasible already ({infeasible})"}
+                    "note": f"not measured: infeasible already ({'; '.join(failed)})"}
         exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
         reference = self.space.reference()
         key, ref_key = length_key(config, exact), length_key(reference, False)
@@ -380,14 +386,6 @@ class TrialRunner:
             out["note"] = (f"undecidable on {verdict.n} prompt(s): its interval straddles the band; recorded, not "
                            "enforced (more --length-prompts decide it)")
         return out
-
-    def _infeasible_before_length(self, trial: optuna.Trial, quality: QualityResult) -> str | None:
-        """Why the trial is infeasible whatever its length (below the floor, or not greedy-exact), or None."""
-        if self.floor - quality.value > 0:
-            return f"quality {quality.value:.3g} below the floor {self.floor:.3g}"
-        if (trial.user_attrs.get("quality_basis") or {}).get("kind") == "infeasible":
-            return "greedy outputs differ from its twin's"
-        return None
 
     def _lengths(self, config: Config, key: str) -> dict:
         """Output lengths of what ``config`` serves, measured once per study and ``length_key`` (study user attr):
