@@ -22,6 +22,7 @@ import functools
 import hashlib
 import importlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from quant.methods.base import QuantResult
 from runtime.hardware import quantspec_home
 from runtime.model_store import weights_hash_once
 
+log = logging.getLogger(__name__)
 STORE_ENV = "QUANTSPEC_QUANT_STORE"
 # the modules whose source decides a calibrated result (the method's own module is added per key)
 CODE = ("quant.quantize", "quant.calibration", "quant.qmath", "quant.rotation", "quant.folding", "quant.methods.base",
@@ -94,10 +96,10 @@ def load(key: str) -> Calibrated | None:
                       meta["calibration"])
 
 
-def save(key: str, calibrated: Calibrated) -> Path:
-    """Write ``calibrated`` under ``key`` atomically; an entry another process wrote meanwhile is kept."""
+def save(key: str, calibrated: Calibrated) -> Path | None:
+    """Write ``calibrated`` under ``key`` atomically; an entry another process wrote meanwhile is kept. Where the
+    store cannot be written: None and one warning (the result is used, only not kept)."""
     target = store_dir() / key
-    target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, r in calibrated.results.items():
         tensors |= {f"q.{name}": r.q, f"scale.{name}": r.scale, f"zero.{name}": r.zero}
@@ -108,14 +110,19 @@ def save(key: str, calibrated: Calibrated) -> Path:
     meta = {"layers": {name: {"info": r.info, "errors": calibrated.errors[name]}
                        for name, r in calibrated.results.items()},
             "transform": calibrated.transform, "calibration": calibrated.calibration}
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}.tmp-"))
+    tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}.tmp-"))
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / "tensors.safetensors")
         (tmp / "meta.json").write_text(json.dumps(meta, default=float))
         tmp.rename(target)
-    except OSError:
+    except OSError as exc:
         if not (target / "meta.json").exists():
-            raise
+            log.warning("calibrated quantization not kept in %s (%s): set %s to a writable directory",
+                        target.parent, exc, STORE_ENV)
+            return None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target

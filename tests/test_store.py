@@ -112,3 +112,19 @@ def test_uncalibrated_methods_and_changed_models_keep_nothing(tiny_llama_dir, ca
     lm = load_model(str(tiny_llama_dir))
     qq.quantize_model(lm, "w4g32-asym", "gptq", calib, progress=False)  # not stored=True: e.g. after SmoothQuant
     assert not store.store_dir().exists()
+
+
+def test_a_store_that_cannot_be_written_warns_once_and_the_result_is_used(tiny_llama_dir, calib, monkeypatch,
+                                                                          tmp_path, caplog):
+    """A cache, not a requirement: with the store path taken by a file, the calibrated model is used, nothing is
+    written, and one warning names the variable to set (before, the write's OSError ended the command)."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(store.STORE_ENV, str(blocked))
+    monkeypatch.setattr(qq, "_quantized_models", {})
+    lm = load_model(str(tiny_llama_dir))
+    report = qq.quantize_fresh(lm, "w4g32-asym", "gptq", calib, progress=False)
+    assert report.stored is None and blocked.read_text() == ""
+    [warning] = [r for r in caplog.records if r.name == "quant.store"]
+    assert store.STORE_ENV in warning.getMessage() and "not kept" in warning.getMessage()
+    assert torch.isfinite(logits(lm)).all()
