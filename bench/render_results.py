@@ -918,7 +918,8 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
        "inductor and quantization caches, with the length gate and engines kept resident (sessions after the AMD "
        "runs; its `other` is almost all paired rounds, which later records count apart as `paired_rounds`); `study_cost.compiled-second.intel-xeon-avx512-amx.json` is the search run again on the "
        "caches that run left (eval results, inductor's cache, calibrated quantizations), with points already "
-       "infeasible no longer given length runs. TPE picks its points from the numbers it measures, "
+       "infeasible no longer given length runs. Records with rounds per point ran after a point infeasible already "
+       "kept the minimum paired rounds (3) and only feasible points got the noise guard's rounds. TPE picks its points from the numbers it measures, "
        "so two runs do not time the same mix: compare the rows per call as well as the wall.")
 def render_study_cost(d: dict) -> str:
     r = d["results"]
@@ -929,8 +930,17 @@ def render_study_cost(d: dict) -> str:
         f"Wall {num(r['wall_s'], 0)} s against a target of {num(r['target_wall_s'], 0)} s (within target: "
         f"{num(r['within_target'])}); {r['n_finished']} finished trials ("
         + ", ".join(f"{k} {v}" for k, v in r["states"].items()) + f"); {r['duplicates_reused']} re-sampled points "
-        "reused their numbers.",
+        "reused their numbers." + held_rounds(r.get("paired_rounds_per_point")),
     ])
+
+
+def held_rounds(rounds: dict | None) -> str:
+    """Rounds per measured point, infeasible ones held at the minimum apart (records since the hold)."""
+    if not rounds:
+        return ""
+    return (f" Paired rounds per measured point: {num(len(rounds['settled']), 0)} feasible "
+            f"{rounds['settled']}, {num(len(rounds['held']), 0)} infeasible already, held at the minimum "
+            f"{rounds['held']}.")
 
 
 @bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",

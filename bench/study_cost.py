@@ -64,10 +64,10 @@ class TimedEvaluator:
     def quality(self, config):
         return self._timed("quality", self.inner.quality, config)
 
-    def speed(self, config):
+    def speed(self, config, settle: bool = True):
         t = time.perf_counter()
         try:
-            result = self.inner.speed(config)
+            result = self.inner.speed(config, settle) if hasattr(self.inner, "settle") else self.inner.speed(config)
         except Exception:
             self.seconds["engine_start"] += time.perf_counter() - t  # refused at engine start (pruned/failed)
             raise
@@ -76,6 +76,15 @@ class TimedEvaluator:
         self.seconds["speed_run"] += result.extra["bench_s"]
         self.seconds["paired_rounds"] += result.extra.get("paired_s", 0.0)  # interleaved rounds with the reference
         self.counts["speed"] += 1
+        return result
+
+    def settle(self, config, speed, hold=None):
+        """The noise guard's rounds after the minimum (feasible points only) count as paired rounds too."""
+        if not hasattr(self.inner, "settle"):
+            return speed
+        before = speed.extra.get("paired_s", 0.0)
+        result = self.inner.settle(config, speed, hold)
+        self.seconds["paired_rounds"] += result.extra.get("paired_s", 0.0) - before
         return result
 
     def exactness(self, config):
@@ -148,6 +157,10 @@ if __name__ == "__main__":
         table.add_row(name, f"{sec:.0f}", f"{100 * sec / wall:.0f}%", str(calls.get(name, "")))
     console.print(table)
     cache_hits = sum(1 for r in summary.rows if r.duplicate_of is not None)
+    measured = [t.user_attrs["speed"].get("measurement") or {} for t in outcome.study.get_trials(deepcopy=False)
+                if "speed" in t.user_attrs and "duplicate_of" not in t.user_attrs]
+    rounds = {kind: [m["rounds"] for m in measured if "rounds" in m and ("held" in m) == (kind == "held")]
+              for kind in ("held", "settled")}  # infeasible points keep the minimum rounds (studies.search._settle)
     record = RunRecord(
         name="study-cost",
         model=ModelCondition("default", weights_hash(resolve_model("default")), "bf16 runtime (native backend)",
@@ -178,6 +191,7 @@ if __name__ == "__main__":
             "trials counted when complete, pruned or failed by their own error"),
         results={"wall_s": wall, "seconds": seconds, "calls": calls, "n_finished": n_finished,
                  "states": {s: states.count(s) for s in set(states)}, "duplicates_reused": cache_hits,
+                 "paired_rounds_per_point": rounds,
                  "target_wall_s": 1200, "within_target": wall <= 1200},
     )
     print(f"wrote {record.write(args.out)}")

@@ -183,55 +183,86 @@ class PairedRatio:
     elapsed_s: float
     granularity: str  # what one block is, e.g. "one request"
     retuned: list = field(default_factory=list)  # what the noise guard's hook changed, if it ran
+    stopped: str = ""  # what ended the rounds: the threshold, the protocol's limits, or a caller's hold
 
     def to_dict(self) -> dict:
         return {"ratio": self.ratio.to_dict(), "reference": self.reference.to_dict(),
                 "candidate": self.candidate.to_dict(), "rounds": self.rounds, "blocks": self.blocks,
                 "noisy": self.noisy, "protocol": asdict(self.protocol), "load": self.load.to_dict(),
-                "elapsed_s": self.elapsed_s, "granularity": self.granularity, "retuned": self.retuned}
+                "elapsed_s": self.elapsed_s, "granularity": self.granularity, "retuned": self.retuned,
+                "stopped": self.stopped}
 
 
 def paired_ratio(run_reference: Callable[[int], Sample], run_candidate: Callable[[int], Sample], units: int,
                  protocol: SpeedProtocol = SpeedProtocol(), granularity: str = "one unit of work",
                  on_noisy: Callable[[], object] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> PairedRatio:
+    """Rounds of ``run_reference(u)`` and ``run_candidate(u)`` until the protocol stops them (``PairedRounds``)."""
+    return PairedRounds(run_reference, run_candidate, units, protocol, granularity, on_noisy, clock).measure()
+
+
+class PairedRounds:
     """Rounds of ``run_reference(u)`` and ``run_candidate(u)`` over units 0..units-1, back to back per unit in a
     seeded random order (AB or BA). Each round gives one ratio (the candidate's tokens/s over the round's units
     divided by the reference's), so units that differ (prompts of other lengths, other acceptance) weigh alike in
-    every ratio and only the machine's noise spreads them. Stops once the ratio's CI is within
-    ``protocol.threshold`` (after ``min_rounds``), or at ``max_rounds``/``budget_s`` (then noisy). ``on_noisy``
-    runs once, the first time the CI is too wide (e.g. re-choose threads); what it returns is recorded."""
-    if units < 1:
-        raise ValueError("paired_ratio needs at least one unit of work")
-    order = random.Random(protocol.seed)
-    window = LoadWindow.start()
-    t0 = clock()
-    rounds: list[tuple[list[Sample], list[Sample]]] = []
-    retuned: list = []
-    while True:
-        refs, cands = [], []
-        for unit in range(units):
-            if order.random() < 0.5:
-                refs.append(run_reference(unit))
-                cands.append(run_candidate(unit))
-            else:
-                cands.append(run_candidate(unit))
-                refs.append(run_reference(unit))
-        rounds.append((refs, cands))
-        if len(rounds) < protocol.min_rounds:
-            continue
-        ratios = [_rate(c) / _rate(r) for r, c in rounds if _rate(r) > 0]
-        estimate = median_ci(ratios, log=True)
-        wide = estimate.rel_halfwidth > protocol.threshold
-        out_of_budget = protocol.budget_s is not None and clock() - t0 >= protocol.budget_s
-        if not wide or len(rounds) >= protocol.max_rounds or out_of_budget:
-            break
-        if on_noisy is not None and not retuned:
-            retuned.append(on_noisy())
-    return PairedRatio(estimate, median_ci([_rate(r) for r, _ in rounds], log=True),
-                       median_ci([_rate(c) for _, c in rounds], log=True),
-                       len(rounds), 2 * units * len(rounds), wide, protocol, window.stop(), clock() - t0,
-                       granularity, retuned)
+    every ratio and only the machine's noise spreads them. ``measure`` stops once the ratio's CI is within
+    ``protocol.threshold`` (after ``min_rounds``), or at ``max_rounds``/``budget_s`` (then noisy); a caller may hold
+    it at fewer rounds and call ``measure`` again later to go on from there (the search: the noise guard's rounds
+    only for points still feasible once their quality is known). ``on_noisy`` runs once, the first time the CI is
+    too wide (e.g. re-choose threads); what it returns is recorded."""
+
+    def __init__(self, run_reference: Callable[[int], Sample], run_candidate: Callable[[int], Sample], units: int,
+                 protocol: SpeedProtocol = SpeedProtocol(), granularity: str = "one unit of work",
+                 on_noisy: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter):
+        if units < 1:
+            raise ValueError("paired_ratio needs at least one unit of work")
+        self.run_reference, self.run_candidate, self.units = run_reference, run_candidate, units
+        self.protocol, self.granularity, self.on_noisy, self.clock = protocol, granularity, on_noisy, clock
+        self._order = random.Random(protocol.seed)
+        self._rounds: list[tuple[list[Sample], list[Sample]]] = []
+        self._retuned: list = []
+        self._window: LoadWindow | None = None
+        self._elapsed = 0.0
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds spent in rounds so far."""
+        return self._elapsed
+
+    def measure(self, hold_at: int | None = None) -> PairedRatio:
+        """Rounds until the rule stops them, or ``hold_at`` rounds at most (then not noisy: cut short by the
+        caller, ``PairedRatio.stopped`` says so)."""
+        protocol, t0 = self.protocol, self.clock()
+        self._window = self._window or LoadWindow.start()
+        limit = protocol.max_rounds if hold_at is None else min(max(hold_at, protocol.min_rounds), protocol.max_rounds)
+        while True:
+            if len(self._rounds) >= protocol.min_rounds:
+                estimate = median_ci([_rate(c) / _rate(r) for r, c in self._rounds if _rate(r) > 0], log=True)
+                wide = estimate.rel_halfwidth > protocol.threshold
+                out_of_budget = protocol.budget_s is not None and self._elapsed + self.clock() - t0 >= protocol.budget_s
+                held = wide and not out_of_budget and protocol.max_rounds > len(self._rounds) >= limit
+                stopped = ("within the threshold" if not wide else "the protocol's budget" if out_of_budget else
+                           f"held at {limit} rounds by the caller" if held else
+                           "the protocol's max rounds" if len(self._rounds) >= protocol.max_rounds else None)
+                if stopped:
+                    break
+                if self.on_noisy is not None and not self._retuned:
+                    self._retuned.append(self.on_noisy())
+            refs, cands = [], []
+            for unit in range(self.units):
+                if self._order.random() < 0.5:
+                    refs.append(self.run_reference(unit))
+                    cands.append(self.run_candidate(unit))
+                else:
+                    cands.append(self.run_candidate(unit))
+                    refs.append(self.run_reference(unit))
+            self._rounds.append((refs, cands))
+        self._elapsed += self.clock() - t0
+        rounds = self._rounds
+        return PairedRatio(estimate, median_ci([_rate(r) for r, _ in rounds], log=True),
+                           median_ci([_rate(c) for _, c in rounds], log=True), len(rounds),
+                           2 * self.units * len(rounds), wide and not held, protocol,
+                           self._window.stop(), self._elapsed, self.granularity, list(self._retuned), stopped)
 
 
 def _rate(blocks: list[Sample]) -> float:

@@ -5,7 +5,7 @@ Evaluators register by name (``real`` is the default and the only one shipped); 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 from runtime.errors import UserError
@@ -15,7 +15,7 @@ from evals.config import Config
 from evals.floor import Floor
 from runtime.data import find_data_dir
 from runtime.loading import set_threads
-from runtime.measure import PairedRatio, SpeedProtocol, paired_ratio
+from runtime.measure import PairedRatio, PairedRounds, SpeedProtocol
 from runtime.model_store import resolve_model
 from evals.harness import EvalConfig, evaluate
 from serving.backends import BACKENDS, open_backend
@@ -97,6 +97,8 @@ class TrialEvaluator(Protocol):
     #     leave greedy outputs unchanged by construction?
     # output_length(config) -> {"counts": [int], "eot_rate": float}: output tokens per prompt with natural
     #     end-of-turn, the same prompts for every config (the length gate, ``studies.length_gate``)
+    # settle(config, speed, hold=None) -> SpeedResult: with ``speed(config, settle=False)`` (paired rounds held at
+    #     the protocol's minimum), the rest of the noise guard's rounds; ``hold`` (why not) keeps the minimum
 
 
 EVALUATORS: Registry[Callable[..., TrialEvaluator]] = Registry("evaluator")
@@ -110,6 +112,15 @@ register_evaluator = EVALUATORS.register
 def _compile_s(backend) -> float:
     """Seconds the engine spent building compiled steps (one-time; 0 for an eager or non-native engine)."""
     return backend.engine_config().get("compile_s") or 0.0
+
+
+def _paired_speed(speed: SpeedResult, paired: PairedRatio, backend) -> SpeedResult:
+    """``speed`` with the paired rounds' figures (tok/s, speedup, their CIs, the noise flag), the threads the
+    candidate ran on (after any re-choice by the noise guard) and its record."""
+    threads = backend.engine_config().get("thread_choice")
+    speed.record["results"]["paired"] = paired.to_dict()
+    return replace(speed, tok_s=paired.candidate.value, tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value,
+                   speedup_ci=paired.ratio.ci, noisy=paired.noisy, measurement=paired.to_dict() | {"threads": threads})
 
 
 def get_evaluator(name: str, **settings) -> TrialEvaluator:
@@ -159,6 +170,7 @@ class RealEvaluator:
         self._tokens: dict[Config, list[list[int]]] = {}
         self._lengths: dict[Config, dict] = {}
         self._served: dict[Config, object] = {}  # the last points' open engines, most recent last
+        self._unsettled: dict[Config, tuple[PairedRounds, object]] = {}  # rounds held at the minimum, engine (settle)
 
     def floor_value(self, floor: str) -> float:
         return Floor.parse(floor).value
@@ -219,7 +231,7 @@ class RealEvaluator:
 
     def output_length(self, config: Config) -> dict:
         if config not in self._tokens:
-            self.speed(config)
+            self.speed(config, settle=False)
         if config not in self._lengths:  # its engine stayed open (the reference, or a reusable candidate)
             backend = self._served[config] if config in self._served else self._backend_for(config)
             self._remember(config, backend)
@@ -256,7 +268,9 @@ class RealEvaluator:
             return self._reference_backend()
         return self._engine(serving_config(config, threads=self.threads, compile=self.compile))
 
-    def speed(self, config: Config) -> SpeedResult:
+    def speed(self, config: Config, settle: bool = True) -> SpeedResult:
+        """Tokens/s of the fixed-length runs, paired with the resident reference; ``settle=False`` holds the paired
+        rounds at the protocol's minimum until ``settle`` (the search: the noise guard only where it can matter)."""
         serving = serving_config(config, threads=self.threads, compile=self.compile)
         t0 = time.perf_counter()
         # the resident reference engine, opened (and built, when compiled) once, before this point's own engine; its
@@ -274,7 +288,9 @@ class RealEvaluator:
             if result.failed:
                 raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
             t_paired = time.perf_counter()
-            paired = self._paired(backend, config, [r.index for r in result.results])
+            rounds = self._paired(backend, config, [r.index for r in result.results])
+            hold = not settle and (not own or backend.reusable)  # only an engine that stays open can go on
+            paired = rounds.measure(self.protocol.min_rounds if hold else None) if rounds else None
             t_natural = time.perf_counter()
             if own and not backend.reusable:  # closed below: its length run now (else on demand, ``output_length``)
                 self._lengths[config] = self._natural(serving, backend)
@@ -294,11 +310,27 @@ class RealEvaluator:
             record["results"]["paired"] = {"granularity": self._unpaired_reason(config)}
             return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=record, extra=extra,
                                measurement={"granularity": self._unpaired_reason(config)})
-        record["results"]["paired"] = paired.to_dict()
-        threads = backend.engine_config().get("thread_choice")
-        return SpeedResult(paired.candidate.value, result.alpha, result.tau, record=record, extra=extra,
-                           tok_s_ci=paired.candidate.ci, speedup=paired.ratio.value, speedup_ci=paired.ratio.ci,
-                           noisy=paired.noisy, measurement=paired.to_dict() | {"threads": threads})
+        if hold:
+            self._unsettled.pop(config, None)
+            self._unsettled[config] = rounds, backend
+            while len(self._unsettled) > RESIDENT_ENGINES:  # e.g. twins measured for their tokens, never settled
+                self._unsettled.pop(next(iter(self._unsettled)))
+        return _paired_speed(SpeedResult(0.0, result.alpha, result.tau, record=record, extra=extra), paired, backend)
+
+    def settle(self, config: Config, speed: SpeedResult, hold: str | None = None) -> SpeedResult:
+        """``speed`` (from ``speed(config, settle=False)``) with the rest of its paired rounds, or, given ``hold``
+        (why they cannot matter), as it is with the reason recorded."""
+        held = self._unsettled.pop(config, None)
+        if held is None:  # settled already, or unpaired
+            return speed
+        if hold is not None:
+            speed.measurement["held"] = speed.record["results"]["paired"]["held"] = hold
+            return speed
+        rounds, backend = held
+        before = rounds.elapsed_s
+        paired = rounds.measure()
+        speed.extra["paired_s"] += paired.elapsed_s - before
+        return _paired_speed(speed, paired, backend)
 
     def _engine(self, serving):
         """The point's engine: a resident engine's build where it serves the point (``Backend.serve_also``: another
@@ -332,9 +364,9 @@ class RealEvaluator:
         return (f"unpaired: {' and '.join(sorted(b.name for b in backends if not b.interleavable))} engines cannot "
                 "stay resident beside the reference, so the speedup divides two separate runs (no CI)")
 
-    def _paired(self, backend, config: Config, indices: list[int]) -> PairedRatio | None:
+    def _paired(self, backend, config: Config, indices: list[int]) -> PairedRounds | None:
         """Candidate vs the resident reference, request by request in interleaved blocks (the reference against
-        itself for the reference point: its CI is the noise floor)."""
+        itself for the reference point: its CI is the noise floor); no round run yet."""
         if self._unpaired_reason(config):
             return None
         reference = self._reference_backend()
@@ -344,7 +376,7 @@ class RealEvaluator:
         for engine in (reference, backend):
             engine.prepare(requests)  # built where the runs before did not reach these requests' shapes
         # torch threads are per process: the reference's re-choice (noise guard) serves both engines
-        return paired_ratio(lambda u: reference.sample(requests[u]), lambda u: backend.sample(requests[u]),
+        return PairedRounds(lambda u: reference.sample(requests[u]), lambda u: backend.sample(requests[u]),
                             len(requests), self.protocol, "one request (batch 1, greedy, fixed length)",
                             reference.retune)
 
@@ -356,9 +388,10 @@ class RealEvaluator:
             self._reference.close()
             self._reference = None
         self._served = {}
+        self._unsettled = {}
 
     def greedy_tokens(self, config: Config) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""
         if config not in self._tokens:
-            self.speed(config)
+            self.speed(config, settle=False)  # its tokens are what is wanted here, not a tight speed
         return self._tokens[config]

@@ -281,7 +281,9 @@ class TrialRunner:
         try:
             quality, speed = self._measure(trial, config)
             constraints = self._constraints(trial, config, quality)
-            length = trial.user_attrs.get("length") or self._length_gate(trial, config, constraints)  # a duplicate has it
+            failed = [INFEASIBLE_WHY[name] for name, value in constraints.items() if value > 0]
+            speed = self._settle(trial, config, speed, failed)
+            length = trial.user_attrs.get("length") or self._length_gate(trial, config, failed)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -323,7 +325,9 @@ class TrialRunner:
                     trial.set_user_attr(key, duplicate.user_attrs[key])
             return (QualityResult.from_dict(duplicate.user_attrs["quality"]),
                     SpeedResult(**duplicate.user_attrs["speed"] | {"record": duplicate.user_attrs.get("record")}))
-        speed = self.evaluator.speed(config)  # first: a point the engine refuses fails fast, before quality
+        # first: a point the engine refuses fails fast, before quality; its paired rounds held where they can be
+        speed = self.evaluator.speed(config, settle=False) if hasattr(self.evaluator, "settle") else \
+            self.evaluator.speed(config)
         quality = self.quality(config, trial)
         trial.set_user_attr("quality_basis", self.quality_basis(trial, config))
         return quality, speed
@@ -362,14 +366,20 @@ class TrialRunner:
         return {CONSTRAINT: self.floor - quality.value} | (
             {EXACTNESS: 0.0 if basis.get("kind") != "infeasible" else 1.0} if config.speculative else {})
 
-    def _length_gate(self, trial: optuna.Trial, config: Config, constraints: dict[str, float]) -> dict:
+    def _settle(self, trial: optuna.Trial, config: Config, speed: SpeedResult, failed: list[str]) -> SpeedResult:
+        """The noise guard's rounds beyond the minimum for a point still feasible; a point the quality floor or
+        exactness already fails keeps the minimum (its speed cannot put it on the front; its CI shows how wide)."""
+        if "duplicate_of" in trial.user_attrs or not hasattr(self.evaluator, "settle"):
+            return speed
+        return self.evaluator.settle(config, speed, f"infeasible already ({'; '.join(failed)})" if failed else None)
+
+    def _length_gate(self, trial: optuna.Trial, config: Config, failed: list[str]) -> dict:
         """Output tokens per prompt (natural end-of-turn) vs the reference's on the same prompts, and the band's
         verdict (``studies.length_gate``); not measured for a point the quality floor or exactness already fails."""
         band = self.settings.length_band
         if getattr(self.evaluator, "output_length", None) is None:
             return {"band": list(band) if band else None, "constraint": None,
                     "note": "not measured: the evaluator has no output_length"}
-        failed = [INFEASIBLE_WHY[name] for name, value in constraints.items() if value > 0]
         if failed:  # its natural-length runs (minutes on an eager step) could not change its verdict
             return {"band": list(band) if band else None, "constraint": None, "verdict": "not measured",
                     "note": f"not measured: infeasible already ({'; '.join(failed)})"}

@@ -8,7 +8,7 @@ import torch
 
 from runtime.errors import UserError
 from runtime.loading import load_model
-from runtime.measure import (LoadWindow, Sample, SpeedProtocol, mean_ci, median_ci, paired_ratio,
+from runtime.measure import (LoadWindow, PairedRounds, Sample, SpeedProtocol, mean_ci, median_ci, paired_ratio,
                              single_shot_ratio)
 from runtime.threads import choose_for_model, choose_threads
 from studies.pareto import Row, mark_front, pareto_mask, separably_dominated
@@ -85,6 +85,33 @@ def test_noise_beyond_the_threshold_marks_the_ratio_noisy_and_respects_the_cap()
     assert result.noisy and result.ratio.rel_halfwidth > protocol.threshold
     assert result.rounds == protocol.max_rounds and machine.blocks == 2 * 2 * protocol.max_rounds  # stopped at the cap
     assert calls == [1] and result.retuned == ["retuned"]  # the noise guard's hook ran once
+
+
+def test_rounds_held_at_the_minimum_go_on_later_as_one_measurement():
+    """A caller holds the rounds at the minimum (not noisy: cut short, and it says so), then goes on: the result is
+    the one an uninterrupted measurement gives, round for round (negative control: the same noise measured straight
+    through to the cap is noisy, so the hold is what cleared the flag)."""
+    protocol = SpeedProtocol(min_rounds=3, max_rounds=8)
+    calls = []
+    machine = FakeMachine(jitter=0.6)
+    rounds = PairedRounds(machine.reference, machine.candidate, 2, protocol, "fake block",
+                          lambda: calls.append(1) or "retuned", clock=machine.clock)
+    held = rounds.measure(hold_at=protocol.min_rounds)
+    assert held.rounds == 3 and not held.noisy and held.stopped == "held at 3 rounds by the caller"
+    assert machine.blocks == 2 * 2 * 3 and calls == []  # no round beyond the hold, no retune
+    machine.t += 100.0  # other work in between (the point's quality) is not measuring time
+    resumed = rounds.measure()
+    straight = measure(FakeMachine(jitter=0.6), protocol)
+    assert resumed.noisy and straight.noisy and resumed.rounds == straight.rounds == protocol.max_rounds
+    assert resumed.ratio.value == straight.ratio.value and resumed.ratio.ci == straight.ratio.ci
+    assert resumed.stopped == "the protocol's max rounds" and calls == [1]
+    assert resumed.elapsed_s == pytest.approx(straight.elapsed_s)  # the 100 s gap is not counted
+
+
+def test_a_hold_on_a_quiet_machine_is_not_a_hold():
+    machine = FakeMachine(jitter=0.01)
+    result = PairedRounds(machine.reference, machine.candidate, 2, clock=machine.clock).measure(hold_at=3)
+    assert result.stopped == "within the threshold" and not result.noisy and result.rounds == 3
 
 
 def test_time_budget_stops_adding_rounds():

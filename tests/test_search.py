@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -371,6 +372,47 @@ def test_a_point_below_the_floor_gets_no_length_run(tmp_path, tiny_llama_dir):
     assert low.constraints["quality_floor"] > 0 and "length_band" not in low.constraints
     row = next(r for r in summarize(outcome.study).rows if r.number == low.number)
     assert row.length_ratio is None and row.length_verdict == "not measured" and row.feasible is False
+
+
+class SettlingToy(ToyEvaluator):
+    """A toy whose speed() can hold its paired rounds at the minimum and settle() finishes or keeps them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.held: dict[str, str] = {}
+        self.settled: list[str] = []
+        self.speed_calls: list[tuple[str, bool]] = []
+
+    def speed(self, config: Config, settle: bool = True) -> SpeedResult:
+        self.speed_calls.append((config.label, settle))
+        return replace(super().speed(config), measurement={"rounds": 3})
+
+    def settle(self, config: Config, speed: SpeedResult, hold: str | None = None) -> SpeedResult:
+        if hold is not None:
+            self.held[config.label] = hold
+            return replace(speed, measurement=speed.measurement | {"held": hold})
+        self.settled.append(config.label)
+        return replace(speed, measurement={"rounds": 9})
+
+
+def test_only_a_point_still_feasible_gets_the_noise_guards_rounds(tmp_path, tiny_llama_dir):
+    """Paired rounds beyond the minimum cannot change the verdict of a point the quality floor or exactness already
+    fails: w4g32-sym (below the floor) and a diverging speculative point keep the minimum and say why; the
+    reference and w8ch-sym (above the floor: the negative control) are settled; a duplicate is settled once."""
+    space = toy_space(tiny_llama_dir, weights=["none", "w4g32-sym", "w8ch-sym"], kv=["none"],
+                      proposers=["none", "ngram:min=2,max=4"], k=[2, 2])
+    toy = SettlingToy(diverge_on="w8ch-sym", unprobed_on="w8ch-sym")
+    outcome = run_search(settings(tmp_path, space, n_trials=14, sampler="random", seed=LUCKY), toy)
+    done = {t.user_attrs["label"]: t for t in outcome.study.trials if t.state == TrialState.COMPLETE}
+    reference, low = space.reference().label, next(label for label in done if "w4g32" in label and "ngram" not in label)
+    above = next(label for label in done if "w8ch" in label and "ngram" not in label)
+    diverging = next(label for label in done if "w8ch" in label and "ngram" in label)
+    assert all(settle is False for label, settle in toy.speed_calls if label in done)
+    assert "below the floor" in toy.held[low] and "differ from its twin" in toy.held[diverging]
+    assert reference in toy.settled and above in toy.settled and low not in toy.settled
+    assert len(toy.settled) == len(set(toy.settled))
+    assert done[low].user_attrs["speed"]["measurement"] == {"rounds": 3, "held": toy.held[low]}
+    assert done[above].user_attrs["speed"]["measurement"] == {"rounds": 9}
 
 
 def test_length_band_parsing():

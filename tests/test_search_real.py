@@ -49,6 +49,10 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
         assert lo <= paired["speedup"] <= hi and trial.user_attrs["speedup"] == paired["speedup"]
         assert paired["measurement"]["rounds"] >= 3 and isinstance(trial.user_attrs["noisy"], bool)
         assert paired["measurement"]["threads"]["threads"] >= 1
+        # rounds past the minimum only for a point still feasible after quality and exactness (held: why not)
+        held = paired["measurement"].get("held")
+        assert (held is not None) == any(trial.constraints.get(c, 0) > 0 for c in ("quality_floor", "exactness"))
+        assert trial.user_attrs["record"]["results"]["paired"].get("held") == held
     speed = spec_trial.user_attrs["speed"]
     assert 0 <= speed["alpha"] <= 1 and speed["tau"] >= 1
     check = spec_trial.user_attrs["exact_check"]  # exact_fraction 1: checked although exact by construction

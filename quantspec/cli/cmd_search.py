@@ -78,7 +78,8 @@ def search(
                                            "by a short timed probe of the candidates; recorded)."),
     noise_threshold: float = typer.Option(0.10, "--noise-threshold", help="Speed is measured paired with the "
                                           "reference in interleaved blocks until the speedup's 95% CI is within "
-                                          "this relative half-width (3 to 12 rounds of every speed prompt); wider rows are marked noisy."),
+                                          "this relative half-width (3 to 12 rounds of every speed prompt; a point "
+                                          "infeasible already keeps 3); wider rows are marked noisy."),
     csv: str = typer.Option(None, help="Also write the table as CSV."),
     png: str = typer.Option(None, help="Also write the Pareto plot."),
     json_out: str = typer.Option(None, "--output-path", "-o", "--json", show_default=False,
