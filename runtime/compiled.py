@@ -159,12 +159,16 @@ def step_attention(model: Transformer) -> str:
     """The name of the attention a compiled step of ``model`` runs. SDPA on CPU: the batch-invariant ``eager``
     attention in bf16 where the CPU multiplies bf16 natively (its step ran 1.14x reduce's over 256 positions and 1.24x
     over 1024, bench/results/step_attention.*.json), else ``reduce`` (``reduce_attention``: fp32, or bf16 emulated,
-    where that was not measured). Otherwise the model's own ("eager" keeps its construction; on a GPU SDPA's kernels
-    are the fast ones)."""
-    if model.attn_implementation != "sdpa" or model.embed_tokens.weight.device.type != "cpu":
+    where that was not measured); ``reduce`` also for ``eager`` in bf16 where bf16 matmul is emulated (its rows
+    depend on the batch there, ``upcast_attention``). Otherwise the model's own ("eager" keeps its construction; on
+    a GPU SDPA's kernels are the fast ones)."""
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
         return model.attn_implementation
-    native_bf16 = model.embed_tokens.weight.dtype == torch.bfloat16 and probe().bf16_matmul.startswith("native")
-    return "eager" if native_bf16 else "reduce"
+    native_bf16 = weight.dtype == torch.bfloat16 and probe().bf16_matmul.startswith("native")
+    if model.attn_implementation == "sdpa" or (weight.dtype == torch.bfloat16 and not native_bf16):
+        return "eager" if native_bf16 else "reduce"  # eager's bf16 matmuls where emulated: rows batch-variant
+    return model.attn_implementation
 
 
 def attention_fn(name: str):

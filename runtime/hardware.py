@@ -290,6 +290,13 @@ def _store_speed(name: str, value: dict) -> None:
     _speed_cache()[name] = value
 
 
+def probed_once(name: str, measure: Callable[[], dict]) -> dict:
+    """``measure()``, run once per machine and ``name`` (cached beside the kernel speeds)."""
+    if name not in _speed_cache():
+        _store_speed(name, measure())
+    return _speed_cache()[name]
+
+
 def ranked(name: str, candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[str, list[str]]:
     """Candidates from fastest to slowest per shape class (``{"decode": ["a", "b"], "batch": [...]}``), measured
     once per machine (cached in ``$QUANTSPEC_HOME/hardware.json``).

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.hardware import EXACT_ROWS, probe, probed_once
 from runtime.packed_linear import PackedLinear, linears
 from runtime.registry import Registry
 
@@ -113,6 +115,17 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+def attention_window(input_pos: torch.Tensor, last: int, max_len: int, align: int = 1, force_mask: bool = False
+                     ) -> tuple[int, torch.Tensor | None]:
+    """(cache positions the queries at ``input_pos`` (the last at ``last - 1``) read: up to the last, rounded up to
+    ``align``; their mask [len, keys], causal within the new tokens and hiding the aligned tail, or None where
+    neither applies)."""
+    length = min(-(-last // align) * align, max_len)
+    if len(input_pos) == 1 and length == last and not force_mask:
+        return length, None
+    return length, torch.arange(length, device=input_pos.device)[None, :] <= input_pos[:, None]
+
+
 ATTENTION: Registry = Registry("attention")  # name -> fn(q, k, v, mask) on [batch, heads, len, head_dim];
 # mask: None, [len, keys] or [batch, 1, len, keys] (True = attend)
 
@@ -150,6 +163,56 @@ def batch_invariant_attention(q, k, v, mask):
         out = sum(torch.matmul(probs[..., s : s + KEY_BLOCK], v[:, :, s : s + KEY_BLOCK]).float()
                   for s in range(0, n_keys, KEY_BLOCK)).to(q.dtype)
     return out.view(bsz, n_heads, seqlen, head_dim)
+
+
+def upcast_attention(q, k, v, mask):
+    """``eager`` attention with its matmuls in fp32 and its output cast back: what ``eager`` runs on a CPU whose
+    bf16 matmul is emulated (no AVX512-BF16 or AMX), where bf16 rows depend on how many queries run together (Intel
+    Ice Lake: 5 probed queries, and a greedy speculative output that left plain decoding's at its 10th token)."""
+    return batch_invariant_attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def attention_for(name: str, device: torch.device, dtype: torch.dtype) -> Callable:
+    """The attention function a model loaded with ``name`` runs on ``device`` in ``dtype``: the registered one;
+    ``eager`` in bf16 on a CPU that emulates bf16 matmul runs ``upcast_attention`` (its rows stay batch-invariant)."""
+    if name == "eager" and dtype == torch.bfloat16 and device.type == "cpu" and probe().bf16_matmul == "emulated":
+        return upcast_attention
+    return ATTENTION.get(name)
+
+
+def attention_rows_differing(attend, n_kv: int, group: int, head_dim: int, align: int, max_len: int,
+                             dtype: torch.dtype = torch.bfloat16) -> int:
+    """Queries whose output from ``attend`` differs bitwise between running among others (a verification of up to
+    ``EXACT_ROWS`` tokens) and alone (the decode step at its position, over its own aligned keys), at positions
+    on both sides of an alignment boundary and past ``KEY_BLOCK``; heavy-tailed q, k, v in ``dtype``. 0: the
+    attention is batch-invariant here. Measured once per machine and shape (``probed_once``)."""
+    name = "attention-rows-v2/" + "/".join(map(str, (attend.__name__, n_kv, group, head_dim, align, max_len, dtype)))
+
+    def measure() -> dict:
+        g = torch.Generator().manual_seed(0)
+
+        def heavy(*shape):
+            return (torch.randn(*shape, generator=g) * torch.randn(*shape, generator=g).exp()).to(dtype)
+
+        # q and k unit normal (softmax spread over many keys, as a model's: peaked probabilities sum exactly in
+        # any order and hid the difference), v heavy-tailed
+        keys = torch.randn(1, n_kv, max_len, head_dim, generator=g).to(dtype), heavy(1, n_kv, max_len, head_dim)
+        differing = 0
+        for n in (*range(2, 10), 17, EXACT_ROWS):
+            for start in (1, align - 3, 4 * align - n // 2, KEY_BLOCK + 5):
+                if start + n > max_len:
+                    continue
+                q = torch.randn(1, n_kv * group, n, head_dim, generator=g).to(dtype)
+                pos = torch.arange(start, start + n)
+                length, mask = attention_window(pos, start + n, max_len, align)
+                together = attend(q, keys[0][:, :, :length], keys[1][:, :, :length], mask)
+                for i in range(n):
+                    length, mask = attention_window(pos[i:i + 1], start + i + 1, max_len, align)
+                    alone = attend(q[:, :, i:i + 1], keys[0][:, :, :length], keys[1][:, :, :length], mask)
+                    differing += not torch.equal(alone, together[:, :, i:i + 1])
+        return {"differing": differing}
+
+    return probed_once(name, measure)["differing"]
 
 
 class OnlineRotation(nn.Module):
@@ -276,15 +339,11 @@ class Transformer(nn.Module):
         last = int(input_pos[-1]) + 1  # keys up to the last new token (one read of the position, on any device)
         if last > self.max_len:
             raise ValueError(f"position {last - 1} exceeds the KV cache length {self.max_len}")
-        align = KEY_ALIGN.get(self.attn_implementation, 1)
-        length = min(-(-last // align) * align, self.max_len)  # keys read (aligned)
-        seqlen = tokens.shape[1]
-        mask = None
-        if seqlen > 1 or length > last or pad is not None:  # causal within the new tokens, and past the last one
+        length, mask = attention_window(input_pos, last, self.max_len, KEY_ALIGN.get(self.attn_implementation, 1),
+                                        force_mask=pad is not None)
+        if pad is not None:  # a padding slot's query sees only itself (a row with no key would give NaN)
             key_pos = torch.arange(length, device=tokens.device)
-            mask = key_pos[None, :] <= input_pos[:, None]
-            if pad is not None:  # a padding slot's query sees only itself (a row with no key would give NaN)
-                mask = mask & ((key_pos >= pad[:, None])[:, None, None, :] | (key_pos == input_pos[:, None]))
+            mask = mask & ((key_pos >= pad[:, None])[:, None, None, :] | (key_pos == input_pos[:, None]))
         rope_pos = None if pad is None else (input_pos - pad[:, None]).clamp(min=0)[:, None]  # [b, 1, len]
         logits, hidden = self.run(tokens, input_pos, mask, length, n_layers, rope_pos, aux_layers)
         return (logits, hidden) if return_hidden else logits
@@ -302,7 +361,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.embed_tokens(tokens)
         depth = n_layers or self.exit_layer or len(self.layers)
-        attend = attend or ATTENTION.get(self.attn_implementation)
+        attend = attend or attention_for(self.attn_implementation, x.device, x.dtype)
         aux = []
         for i, layer in enumerate(self.layers[:depth]):
             x = block(layer, x, cos, sin, input_pos, mask, length, attend) if block else layer(

@@ -7,13 +7,14 @@ import time
 import torch
 
 from runtime.errors import UserError
-from runtime.hardware import sync
+from runtime.hardware import probe, sync
 from runtime.loading import LoadedModel
 from runtime.generate import Decoder, GenerationResult
 from specdec.metrics import AcceptanceStats
 from specdec.proposers import Proposer, build_proposer
 from specdec.proposers.base import check_k
 from runtime.sampling import SamplingConfig, next_token
+from runtime.transformer import KEY_ALIGN, attention_for, attention_rows_differing
 from specdec.verify import verify
 
 
@@ -29,6 +30,16 @@ def check_bf16_exact(target: LoadedModel) -> None:
     if target.model.attn_implementation != "eager":
         raise UserError("bf16 speculation needs batch-invariant attention for its output to equal plain "
                         "decoding: load the target with attn_implementation='eager'")
+    model = target.model
+    args = model.args
+    attend = attention_for(model.attn_implementation, model.embed_tokens.weight.device, target.dtype)
+    differing = attention_rows_differing(attend, args.n_kv_heads,
+                                         args.n_heads // args.n_kv_heads, args.head_dim,
+                                         KEY_ALIGN.get(model.attn_implementation, 1), args.max_seq_len)
+    if differing:
+        raise UserError(f"bf16 speculation would not be token-exact on this machine: its attention "
+                        f"({attend.__name__}) gives {differing} probed queries other bits among a verification's than "
+                        f"alone (bf16 matmul here: {probe().bf16_matmul}); speculate in fp32 (--dtype fp32)")
     variant = variant_kernels(target.model)
     if variant:
         kernels = sorted({detail.split(" (")[0] for detail in variant.values()})

@@ -9,7 +9,7 @@ Quality is never borrowed across different outputs. A speculative trial reuses t
 non-speculative twin only when (user attr ``quality_basis``, shown in the table):
 
 * ``exact by construction``: the evaluator states that the kernels it ran make speculation token-exact (native
-  bf16: eager attention and every linear kernel probed row-invariant, ``specdec.speculative.check_bf16_exact``);
+  bf16: eager attention, it and every linear kernel probed row-invariant, ``specdec.speculative.check_bf16_exact``);
   a sampled fraction of these is still re-checked on greedy outputs; or
 * ``verified``: its greedy outputs on the evaluator's prompts equal the twin's (``exact_check``, always run when
   exactness does not hold by construction).

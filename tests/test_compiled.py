@@ -97,16 +97,18 @@ def test_reduce_attention_is_sdpa_over_the_same_keys(mask_dims):
 
 def test_compiled_steps_of_sdpa_models_attend_by_what_this_cpu_multiplies(tiny_llama_dir, tiny, monkeypatch):
     """SDPA models' compiled steps on CPU: the batch-invariant eager attention in bf16 where bf16 matmuls are native
-    (it measured faster), reduce_attention in fp32 or where bf16 is emulated; eager models keep theirs."""
+    (it measured faster), reduce_attention in fp32 or where bf16 is emulated; eager models keep theirs, but in bf16
+    where it is emulated (Intel Ice Lake: its bf16 matmuls' rows depend on the batch) run reduce_attention too."""
     from runtime.hardware import probe
 
     assert step_attention(tiny.model) == "reduce" and attention_fn("reduce") is reduce_attention
     assert step_attention(load_model(tiny_llama_dir, "fp32", attn_implementation="eager").model) == "eager"
-    bf16 = load_model(tiny_llama_dir, "bf16").model
+    bf16, bf16_eager = (load_model(tiny_llama_dir, "bf16", attn_implementation=a).model for a in ("sdpa", "eager"))
     hardware = probe()
     for matmul, attention in (("native (AVX512-BF16)", "eager"), ("native (AMX)", "eager"), ("emulated", "reduce")):
         monkeypatch.setattr(compiled, "probe", lambda: dataclasses.replace(hardware, bf16_matmul=matmul))
         assert step_attention(bf16) == attention
+        assert step_attention(bf16_eager) == attention  # eager's bf16 matmuls where emulated: rows batch-variant
 
 
 def test_one_graph_serves_every_position(tiny):

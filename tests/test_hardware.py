@@ -281,3 +281,54 @@ def test_negative_control_a_variant_kernel_refuses_bf16_speculation(tiny_llama_d
         m._pack.get(m.weight).batch_invariant = m is not lm.model.layers[1].mlp.up_proj
     with pytest.raises(UserError, match="1 linear layers run kernels whose rows depend on the batch"):
         SpeculativeDecoder(lm, "ngram", 4)
+
+
+def _exact_attention(q, k, v, mask):
+    """Each query alone over exactly the keys it may see, so its arithmetic never depends on the other queries or on
+    masked keys: batch-invariant by construction on any machine (the probe's control)."""
+    n_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    rows = []
+    for i in range(q.shape[2]):
+        seen = k.shape[2] if mask is None else int(mask.reshape(-1, mask.shape[-1])[i].sum())
+        qi = q[:, :, i].reshape(1, n_kv, group, -1).double()
+        probs = torch.softmax(qi @ k[:, :, :seen].double().transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+        rows.append((probs @ v[:, :, :seen].double()).reshape(1, n_kv * group, 1, -1))
+    return torch.cat(rows, 2).to(q.dtype)
+
+
+def _variant_attention(q, k, v, mask):
+    """The control made batch-variant: rows scaled by a factor that changes with the number of queries."""
+    return _exact_attention(q, k, v, mask) * (1 + 2 ** -6 * (q.shape[2] > 1))
+
+
+def test_attention_probe_tells_a_batch_variant_attention_from_an_invariant_one():
+    """The probe compares each query alone (over its decode step's aligned keys) with the same query among a
+    verification's; the control pair holds on any machine."""
+    from runtime.transformer import attention_rows_differing
+
+    shape = dict(n_kv=2, group=2, head_dim=16, align=64, max_len=1100)
+    assert attention_rows_differing(_exact_attention, **shape) == 0
+    assert attention_rows_differing(_variant_attention, **shape) > 0
+
+
+def test_upcast_attention_is_batch_invariant_and_refusal_names_the_attention(tiny_llama_dir, monkeypatch):
+    """``eager`` with fp32 matmuls (what bf16 runs where bf16 matmul is emulated: Intel Ice Lake's bf16 matmuls gave 5
+    probed queries other bits) passes the probe there; with every linear invariant, an invariant attention lets
+    bf16 speculation run and a batch-variant one refuses it in one line naming it (negative control)."""
+    from runtime.loading import load_model
+    from runtime import transformer
+    from specdec.speculative import SpeculativeDecoder
+
+    lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
+    args = lm.model.args
+    if hardware.probe().bf16_matmul == "emulated":  # where bf16 eager attention runs it
+        assert transformer.attention_for("eager", torch.device("cpu"), torch.bfloat16) is transformer.upcast_attention
+        assert transformer.attention_rows_differing(transformer.upcast_attention, args.n_kv_heads,
+                                                    args.n_heads // args.n_kv_heads, args.head_dim, 64, 1100) == 0
+    for m in (m for m in lm.model.modules() if hasattr(m, "_pack")):  # every linear invariant: attention decides
+        m._pack.get(m.weight).batch_invariant = True
+    monkeypatch.setattr("specdec.speculative.attention_for", lambda *_: _exact_attention)
+    SpeculativeDecoder(lm, "ngram", 4)
+    monkeypatch.setattr("specdec.speculative.attention_for", lambda *_: _variant_attention)
+    with pytest.raises(UserError, match=r"attention \(_variant_attention\) gives \d+ probed queries"):
+        SpeculativeDecoder(lm, "ngram", 4)

@@ -73,7 +73,7 @@ class NativeBackend(Backend):
         if config.dtype != "bf16":
             return {"by_construction": False, "why": f"{config.dtype} GEMMs are not batch-invariant here"}
         return {"by_construction": True, "why": "native bf16: SpeculativeDecoder runs only with eager attention and "
-                "every linear kernel probed row-invariant (specdec.speculative.check_bf16_exact)"}
+                "every linear kernel and the attention probed row-invariant (specdec.speculative.check_bf16_exact)"}
 
     def _decoder(self, plain: Decoder, shared: bool) -> tuple[Decoder | SpeculativeDecoder, Decoder | None]:
         """(what serves requests, the plain decoder other points may share: None once a proposer changed it)."""
