@@ -919,7 +919,7 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
        "runs; its `other` is almost all paired rounds, which later records count apart as `paired_rounds`); `study_cost.compiled-second.intel-xeon-avx512-amx.json` is the search run again on the "
        "caches that run left (eval results, inductor's cache, calibrated quantizations), with points already "
        "infeasible no longer given length runs. Records with rounds per point ran after a point infeasible already "
-       "kept the minimum paired rounds (3) and only feasible points got the noise guard's rounds. TPE picks its points from the numbers it measures, "
+       "kept the minimum paired rounds and only feasible points got the noise guard's rounds. TPE picks its points from the numbers it measures, "
        "so two runs do not time the same mix: compare the rows per call as well as the wall.")
 def render_study_cost(d: dict) -> str:
     r = d["results"]
