@@ -184,8 +184,8 @@ def attention_rows_differing(attend, n_kv: int, group: int, head_dim: int, align
                              dtype: torch.dtype = torch.bfloat16) -> int:
     """Queries whose output from ``attend`` differs bitwise between running among others (a verification of up to
     ``EXACT_ROWS`` tokens) and alone (the decode step at its position, over its own aligned keys), at positions
-    on both sides of an alignment boundary and past ``KEY_BLOCK``; heavy-tailed q, k, v in ``dtype``. 0: the
-    attention is batch-invariant here. Measured once per machine and shape (``probed_once``)."""
+    on both sides of an alignment boundary and past ``KEY_BLOCK``; unit-normal q and k, heavy-tailed v, in ``dtype``.
+    0: the attention is batch-invariant here. Measured once per machine and shape (``probed_once``)."""
     name = "attention-rows-v2/" + "/".join(map(str, (attend.__name__, n_kv, group, head_dim, align, max_len, dtype)))
 
     def measure() -> dict:
