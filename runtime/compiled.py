@@ -165,8 +165,9 @@ def step_attention(model: Transformer) -> str:
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         return model.attn_implementation
-    native_bf16 = weight.dtype == torch.bfloat16 and probe().bf16_matmul.startswith("native")
-    if model.attn_implementation == "sdpa" or (weight.dtype == torch.bfloat16 and not native_bf16):
+    bf16 = weight.dtype == torch.bfloat16
+    native_bf16 = bf16 and probe().bf16_native
+    if model.attn_implementation == "sdpa" or (bf16 and not native_bf16):
         return "eager" if native_bf16 else "reduce"  # eager's bf16 matmuls where emulated: rows batch-variant
     return model.attn_implementation
 

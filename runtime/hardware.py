@@ -78,6 +78,11 @@ class Hardware:
     def bf16_prepack_ok(self) -> bool:
         return self.bf16_prepack is None
 
+    @property
+    def bf16_native(self) -> bool:
+        """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16); else torch emulates it."""
+        return self.bf16_matmul.startswith("native")
+
     def summary(self) -> str:
         """One line for speed summaries: ISA, bf16/int8 matmul hardware, and the forced set if any."""
         forced = f", forced by {OVERRIDE_ENV}={self.forced}" if self.forced else ""
@@ -402,7 +407,8 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
     if where.type == "cuda":  # the cache is per machine: name the GPU
         key = (*key, torch.cuda.get_device_name(where))
     name = "rows-invariant-v2/" + "/".join(map(str, (*key, in_features, dtype)))  # v2: every lone row, 3 draws
-    if name not in _speed_cache():
+
+    def measure() -> dict:
         n = EXACT_ROWS + 7
         draws = []
         for seed in range(3):
@@ -422,8 +428,9 @@ def row_invariance(key: tuple, linear: Callable[[torch.Tensor], torch.Tensor], i
         # rows after rounding to bf16), so a sample of offsets in one draw missed it.
         alone = same(1, linear, range(n))
         doubled = same(1, lambda row: linear(torch.cat((row, row)))[:1], range(n))
-        _store_speed(name, {"how": None if not many else "alone" if alone else "two-rows" if doubled else None})
-    return _speed_cache()[name]["how"]
+        return {"how": None if not many else "alone" if alone else "two-rows" if doubled else None}
+
+    return probed_once(name, measure)["how"]
 
 
 # ---- vLLM: which of its CPU ops the installed engine has ----

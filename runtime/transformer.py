@@ -175,7 +175,7 @@ def upcast_attention(q, k, v, mask):
 def attention_for(name: str, device: torch.device, dtype: torch.dtype) -> Callable:
     """The attention function a model loaded with ``name`` runs on ``device`` in ``dtype``: the registered one;
     ``eager`` in bf16 on a CPU that emulates bf16 matmul runs ``upcast_attention`` (its rows stay batch-invariant)."""
-    if name == "eager" and dtype == torch.bfloat16 and device.type == "cpu" and probe().bf16_matmul == "emulated":
+    if name == "eager" and dtype == torch.bfloat16 and device.type == "cpu" and not probe().bf16_native:
         return upcast_attention
     return ATTENTION.get(name)
 

@@ -40,7 +40,7 @@ def check_bf16_exact(target: LoadedModel) -> None:
         raise UserError(f"bf16 speculation would not be token-exact on this machine: its attention "
                         f"({attend.__name__}) gives {differing} probed queries other bits among a verification's than "
                         f"alone (bf16 matmul here: {probe().bf16_matmul}); speculate in fp32 (--dtype fp32)")
-    variant = variant_kernels(target.model)
+    variant = variant_kernels(model)
     if variant:
         kernels = sorted({detail.split(" (")[0] for detail in variant.values()})
         raise UserError(f"bf16 speculation would not be token-exact on this machine: {len(variant)} linear layers "

@@ -114,6 +114,14 @@ def _compile_s(backend) -> float:
     return backend.engine_config().get("compile_s") or 0.0
 
 
+def _keep_recent(recent: dict, config: Config, value) -> None:
+    """``recent[config] = value`` as the most recent entry, keeping the last ``RESIDENT_ENGINES`` points'."""
+    recent.pop(config, None)
+    recent[config] = value
+    while len(recent) > RESIDENT_ENGINES:
+        recent.pop(next(iter(recent)))
+
+
 def _paired_speed(speed: SpeedResult, paired: PairedRatio, backend) -> SpeedResult:
     """``speed`` with the paired rounds' figures (tok/s, speedup, their CIs, the noise flag), the threads the
     candidate ran on (after any re-choice by the noise guard) and its record."""
@@ -256,10 +264,7 @@ class RealEvaluator:
     def _remember(self, config: Config, backend) -> None:
         """Keep the engine a point ran on for its later runs (the length gate's comes after its twin's, when the
         search checks exactness), the last ``RESIDENT_ENGINES`` points'."""
-        self._served.pop(config, None)
-        self._served[config] = backend
-        while len(self._served) > RESIDENT_ENGINES:
-            self._served.pop(next(iter(self._served)))
+        _keep_recent(self._served, config, backend)
 
     def _backend_for(self, config: Config):
         """The engine a point runs on: the resident reference for the reference point where points are paired with
@@ -311,10 +316,7 @@ class RealEvaluator:
             return SpeedResult(result.effective_tok_s, result.alpha, result.tau, record=record, extra=extra,
                                measurement={"granularity": self._unpaired_reason(config)})
         if hold:
-            self._unsettled.pop(config, None)
-            self._unsettled[config] = rounds, backend
-            while len(self._unsettled) > RESIDENT_ENGINES:  # e.g. twins measured for their tokens, never settled
-                self._unsettled.pop(next(iter(self._unsettled)))
+            _keep_recent(self._unsettled, config, (rounds, backend))  # a twin measured for its tokens is never settled
         return _paired_speed(SpeedResult(0.0, result.alpha, result.tau, record=record, extra=extra), paired, backend)
 
     def settle(self, config: Config, speed: SpeedResult, hold: str | None = None) -> SpeedResult:

@@ -282,8 +282,9 @@ class TrialRunner:
             quality, speed = self._measure(trial, config)
             constraints = self._constraints(trial, config, quality)
             failed = [INFEASIBLE_WHY[name] for name, value in constraints.items() if value > 0]
-            speed = self._settle(trial, config, speed, failed)
-            length = trial.user_attrs.get("length") or self._length_gate(trial, config, failed)  # a duplicate has it
+            infeasible = f"infeasible already ({'; '.join(failed)})" if failed else None
+            speed = self._settle(trial, config, speed, infeasible)
+            length = trial.user_attrs.get("length") or self._length_gate(trial, config, infeasible)  # a duplicate has it
         except UserError as exc:  # the point cannot run (e.g. a backend refuses it): skip, not crash
             self._prune(trial, str(exc))
         except Exception as exc:
@@ -366,23 +367,24 @@ class TrialRunner:
         return {CONSTRAINT: self.floor - quality.value} | (
             {EXACTNESS: 0.0 if basis.get("kind") != "infeasible" else 1.0} if config.speculative else {})
 
-    def _settle(self, trial: optuna.Trial, config: Config, speed: SpeedResult, failed: list[str]) -> SpeedResult:
+    def _settle(self, trial: optuna.Trial, config: Config, speed: SpeedResult, infeasible: str | None
+                ) -> SpeedResult:
         """The noise guard's rounds beyond the minimum for a point still feasible; a point the quality floor or
         exactness already fails keeps the minimum (its speed cannot put it on the front; its CI shows how wide)."""
         if "duplicate_of" in trial.user_attrs or not hasattr(self.evaluator, "settle"):
             return speed
-        return self.evaluator.settle(config, speed, f"infeasible already ({'; '.join(failed)})" if failed else None)
+        return self.evaluator.settle(config, speed, infeasible)
 
-    def _length_gate(self, trial: optuna.Trial, config: Config, failed: list[str]) -> dict:
+    def _length_gate(self, trial: optuna.Trial, config: Config, infeasible: str | None) -> dict:
         """Output tokens per prompt (natural end-of-turn) vs the reference's on the same prompts, and the band's
         verdict (``studies.length_gate``); not measured for a point the quality floor or exactness already fails."""
         band = self.settings.length_band
         if getattr(self.evaluator, "output_length", None) is None:
             return {"band": list(band) if band else None, "constraint": None,
                     "note": "not measured: the evaluator has no output_length"}
-        if failed:  # its natural-length runs (minutes on an eager step) could not change its verdict
+        if infeasible:  # its natural-length runs (minutes on an eager step) could not change its verdict
             return {"band": list(band) if band else None, "constraint": None, "verdict": "not measured",
-                    "note": f"not measured: infeasible already ({'; '.join(failed)})"}
+                    "note": f"not measured: {infeasible}"}
         exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
         reference = self.space.reference()
         key, ref_key = length_key(config, exact), length_key(reference, False)
