@@ -97,6 +97,8 @@ class TrialEvaluator(Protocol):
     #     leave greedy outputs unchanged by construction?
     # output_length(config) -> {"counts": [int], "eot_rate": float}: output tokens per prompt with natural
     #     end-of-turn, the same prompts for every config (the length gate, ``studies.length_gate``)
+    # plain_tokens(config) -> (tokens, step) | None: greedy outputs of ``config`` without speculation on the
+    #     decoding step its speculation ran on, where that is not the plain point's own (the exactness reference)
     # settle(config, speed, hold=None) -> SpeedResult: with ``speed(config, settle=False)`` (paired rounds held at
     #     the protocol's minimum), the rest of the noise guard's rounds; ``hold`` (why not) keeps the minimum
 
@@ -176,6 +178,7 @@ class RealEvaluator:
         self._reference = None  # the resident reference engine
         self._engines: list = []  # resident candidate engines, least recently used first
         self._tokens: dict[Config, list[list[int]]] = {}
+        self._plain_tokens: dict[tuple[Config, str], list[list[int]]] = {}  # (transformation, step): plain_tokens
         self._lengths: dict[Config, dict] = {}
         self._served: dict[Config, object] = {}  # the last points' open engines, most recent last
         self._unsettled: dict[Config, tuple[PairedRounds, object]] = {}  # rounds held at the minimum, engine (settle)
@@ -391,9 +394,29 @@ class RealEvaluator:
             self._reference = None
         self._served = {}
         self._unsettled = {}
+        self._plain_tokens = {}
 
     def greedy_tokens(self, config: Config) -> list[list[int]]:
         """Greedy outputs of the speed workload (ignore_eos, fixed length); measured here when not yet seen."""
         if config not in self._tokens:
             self.speed(config, settle=False)  # its tokens are what is wanted here, not a tight speed
         return self._tokens[config]
+
+    def plain_tokens(self, config: Config) -> tuple[list[list[int]], str] | None:
+        """Greedy outputs of the speed workload without speculation, decoded on the engine and step ``config``'s
+        speculation ran on, and that step, where it is not the plain point's own (``Backend.plain_twin``: e.g. a
+        compiled verification probed inexact sent it eager); None where the plain point's run is the reference."""
+        self.greedy_tokens(config)
+        backend = self._served.get(config)
+        twin = backend.plain_twin() if backend is not None else None
+        if twin is None:
+            return None
+        step = twin.engine_config().get("step") or "?"
+        key = (config.transformation, step)
+        if key not in self._plain_tokens:
+            result = run_benchmark(twin.config, self.workload, LoadSpec.closed(1), backend=twin,
+                                   num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+            if result.failed:
+                raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
+            self._plain_tokens[key] = [r.token_ids for r in result.results]
+        return self._plain_tokens[key], step

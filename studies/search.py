@@ -12,7 +12,10 @@ non-speculative twin only when (user attr ``quality_basis``, shown in the table)
   bf16: eager attention, it and every linear kernel probed row-invariant, ``specdec.speculative.check_bf16_exact``);
   a sampled fraction of these is still re-checked on greedy outputs; or
 * ``verified``: its greedy outputs on the evaluator's prompts equal the twin's (``exact_check``, always run when
-  exactness does not hold by construction).
+  exactness does not hold by construction). Where its speculation ran on another decoding step than the twin's
+  engine (native: a compiled verification probed inexact sends the point eager), the twin's outputs are decoded
+  again on that step (``reference_step`` in the check): lossless speculation reproduces plain decoding on its own
+  kernels, not another step's rounding.
 
 A trial whose greedy outputs differ from its twin's is **infeasible** (constraint ``exactness`` = 1) with the
 reason recorded: the quality tasks score log-likelihoods of the target model, which speculation does not
@@ -23,7 +26,7 @@ TPE and NSGA-II both read them; feasible = all <= 0): ``quality_floor`` = floor 
 (speculative trials); ``length_band`` (MLPerf's second gate: mean output tokens per prompt with natural
 end-of-turn over the reference's on the same prompts must lie in ``--length-band``; enforced only where the
 prompts decide it, ``studies.length_gate``; lengths are measured once per serving transformation, and an exact
-speculative point shares its twin's; off with ``--length-band off``, recorded in the study).
+speculative point shares its twin's unless it was checked on another step; off with ``--length-band off``, recorded in the study).
 
 Several workers on one study end with exactly ``n_trials`` finished trials: a worker starts a trial only while
 finished + in-flight trials are fewer, and a trial that two workers started at once beyond the target ends FAIL
@@ -385,7 +388,9 @@ class TrialRunner:
         if infeasible:  # its natural-length runs (minutes on an eager step) could not change its verdict
             return {"band": list(band) if band else None, "constraint": None, "verdict": "not measured",
                     "note": f"not measured: {infeasible}"}
-        exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES
+        # an exact point serves its twin's outputs, unless its reference was decoded on another step than the twin's
+        exact = (trial.user_attrs.get("quality_basis") or {}).get("kind") in EXACT_BASES and \
+            (trial.user_attrs.get("exact_check") or {}).get("reference_step") is None
         reference = self.space.reference()
         key, ref_key = length_key(config, exact), length_key(reference, False)
         mine, ref = self._lengths(config, key), self._lengths(reference, ref_key)
@@ -451,17 +456,22 @@ class TrialRunner:
         return random.Random(trial_seed(self.settings.seed, number)).random() < self.settings.exact_fraction
 
     def exact_check(self, config: Config) -> dict:
-        """Greedy outputs of the speculative config vs the same transformation without speculation."""
-        base = config.transformation
-        twin = study_quality_key(base)
-        if twin not in self._reference_tokens:
-            self._reference_tokens[twin] = self.evaluator.greedy_tokens(base)
-        ref = self._reference_tokens[twin]
+        """Greedy outputs of the speculative config vs the same transformation without speculation, decoded on the
+        step the speculation ran on (``plain_tokens``), else the plain point's own."""
         got = self.evaluator.greedy_tokens(config)
+        own_step = getattr(self.evaluator, "plain_tokens", None)
+        on_step = own_step(config) if own_step is not None else None
+        if on_step is None:
+            twin = study_quality_key(config.transformation)
+            if twin not in self._reference_tokens:
+                self._reference_tokens[twin] = self.evaluator.greedy_tokens(config.transformation)
+            ref, step = self._reference_tokens[twin], None
+        else:
+            ref, step = on_step
         equal = [a == b for a, b in zip(ref, got)]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                       for a, b in zip(ref, got)]
-        return {"n_prompts": len(ref), "equal": all(equal), "equal_per_prompt": equal,
+        return {"n_prompts": len(ref), "equal": all(equal), "equal_per_prompt": equal, "reference_step": step,
                 "first_divergence": [d if not e else None for d, e in zip(first_diff, equal)],
                 "tokens_per_prompt": [len(a) for a in ref]}
 

@@ -301,7 +301,8 @@ def test_points_of_one_build_share_it_and_its_compiled_steps(tiny_llama_dir, spe
     """``serve_also``: a speculative point of the plain point's transformation runs on its build and plain decoder,
     builds only its verification step (compile_s counts that alone) and decodes a fresh engine's tokens. Another
     transformation, a decoder a point sent back to eager, or a proposer that changes the target's decoder (the
-    negative control: n-gram marked so) gets no share of it."""
+    negative control: n-gram marked so) gets no share of it. ``plain_twin``: only a point sent back to eager has a
+    plain reference of its own, decoded on its decoder's eager step."""
     from specdec.proposers.ngram import NgramProposer
 
     if spec_dtype == "fp32":
@@ -326,5 +327,10 @@ def test_points_of_one_build_share_it_and_its_compiled_steps(tiny_llama_dir, spe
     monkeypatch.setattr(NgramProposer, "changes_target", True)
     own = plain.serve_also(spec)
     assert own.decoder.decoder is not plain.plain and own.plain is None and own.serve_also(config()) is None
+    assert shared.plain_twin() is None and plain.plain_twin() is None  # the plain point's run is the reference
     plain.plain.fall_back("a point's verification probe differed")
     assert plain.serve_also(spec) is None
+    twin = shared.plain_twin()  # plain decoding on the step that point's speculation ran on: the eager step
+    assert twin.plain is plain.plain and not twin.config.config.speculative and "fallback" in twin.step_label
+    assert tokens(twin) == tokens(shared)
+    assert own.plain_twin() is None  # its own decoder stayed compiled

@@ -48,8 +48,9 @@ class ToyEvaluator:
     ``fail_on`` makes speed() raise for that weight scheme; ``log`` appends one JSON line per measurement.
     ``diverge_on``: speculative points of that scheme emit other greedy tokens than their twin (and are not exact
     by construction for ``unprobed_on``); ``long_on``: that scheme answers 30% longer on every prompt;
-    ``uneven_on``: its lengths move both ways from prompt to prompt. vLLM points score 0.03 lower than native
-    (their own backend's quality)."""
+    ``uneven_on``: its lengths move both ways from prompt to prompt; ``stepped_on``: its speculative points run on
+    another decoding step than their twin, whose outputs there (``plain_tokens``) equal theirs but not the twin's
+    own. vLLM points score 0.03 lower than native (their own backend's quality)."""
 
     default_floor = "0.98"
 
@@ -60,8 +61,9 @@ class ToyEvaluator:
 
     def __init__(self, delay_s: float = 0.0, fail_on: str | None = None, log: str | None = None,
                  diverge_on: str | None = None, unprobed_on: str | None = None, long_on: str | None = None,
-                 uneven_on: str | None = None, **_):
+                 uneven_on: str | None = None, stepped_on: str | None = None, **_):
         self.diverge_on, self.unprobed_on, self.long_on, self.uneven_on = diverge_on, unprobed_on, long_on, uneven_on
+        self.stepped_on = stepped_on
         self.delay_s = float(os.environ.get("TOY_DELAY_S", delay_s))
         self.quality_delay_s = float(os.environ.get("TOY_QUALITY_DELAY_S", 0))
         self.fail_on = os.environ.get("TOY_FAIL_ON", fail_on)
@@ -97,9 +99,14 @@ class ToyEvaluator:
 
     def greedy_tokens(self, config: Config) -> list[list[int]]:
         tokens = [[len(config.quality_key) + i + j for j in range(5)] for i in range(3)]
-        if config.speculative and config.weights == self.diverge_on:
+        if config.speculative and config.weights in (self.diverge_on, self.stepped_on):
             tokens[0][3] += 1
         return tokens
+
+    def plain_tokens(self, config: Config):
+        if config.weights != self.stepped_on:
+            return None
+        return self.greedy_tokens(config), "eager (fallback: toy)"
 
     def exactness(self, config: Config) -> dict:
         exact = config.backend == "native" and config.weights != self.unprobed_on
@@ -270,6 +277,31 @@ def test_unprobed_equal_outputs_are_verified(tmp_path, tiny_llama_dir):
     spec = _complete(outcome.study, proposer="ngram")
     assert spec and all(t.user_attrs["quality_basis"]["kind"] == "verified" and t.user_attrs["exact_check"]["equal"]
                         and t.constraints["exactness"] == 0 for t in spec)
+
+
+@pytest.mark.parametrize("on_step", [True, False])
+def test_a_point_speculating_on_another_step_is_checked_against_plain_decoding_there(tmp_path, tiny_llama_dir,
+                                                                                   on_step):
+    """w8ch-sym's speculative points ran on another decoding step than their twin's engine (native: a compiled
+    verification probed inexact sends them eager): their greedy outputs equal plain decoding on that step, so they
+    are verified, with the step recorded, and their lengths are their own (they do not serve the twin's outputs).
+    The negative control checks them against the twin's own run instead: they would be called infeasible."""
+    log = tmp_path / "measured.jsonl"
+    space = toy_space(tiny_llama_dir, weights=["w8ch-sym"], kv=["none"], k=(2, 3))
+    evaluator = ToyEvaluator(stepped_on="w8ch-sym", unprobed_on="w8ch-sym", log=str(log))
+    if not on_step:
+        evaluator.plain_tokens = lambda config: None
+    outcome = run_search(settings(tmp_path, space, n_trials=4, sampler="random", exact_fraction=0.0, seed=LUCKY),
+                         evaluator)
+    spec = _complete(outcome.study, proposer="ngram")
+    assert spec
+    for t in spec:
+        check, kind = t.user_attrs["exact_check"], t.user_attrs["quality_basis"]["kind"]
+        if on_step:
+            assert check["equal"] and check["reference_step"] == "eager (fallback: toy)" and kind == "verified"
+            assert t.constraints["exactness"] == 0 and t.user_attrs["label"] in measurements(log, "length")
+        else:
+            assert not check["equal"] and check["reference_step"] is None and kind == "infeasible"
 
 
 def test_vllm_point_quality_is_measured_by_its_own_backend(tmp_path, tiny_llama_dir):

@@ -116,6 +116,13 @@ class Backend:
         ``config`` needs an engine of its own. Here: always None."""
         return None
 
+    def plain_twin(self) -> "Backend | None":
+        """This speculative point without speculation, on this engine's build and decoding step, where that step is
+        not the one the plain point's own engine decodes on: the reference its greedy outputs must equal (lossless
+        speculation reproduces plain decoding on its own kernels). None where the plain point's run is that
+        reference. Here: always None."""
+        return None
+
     def tokenizer(self):
         raise NotImplementedError
 

@@ -54,7 +54,7 @@ class NativeBackend(Backend):
             plain = Decoder(self.lm, config.max_model_len, built.cache_factory, compile_mode=self.compile.mode)
         else:
             self.lm, self.quant_report, self.scheme_info = engine.lm, engine.quant_report, engine.scheme_info
-            self.threads, self.compile, plain = engine.threads, engine.compile, engine.plain
+            self.threads, self.compile, plain = engine.threads, engine.compile, engine._target
         self.sampling = SamplingConfig(temperature=config.temperature, seed=0)
         self.decoder, self.plain = self._decoder(plain, shared=engine is not None)
         self._built_before = self._target.compile_s  # steps another point of this build compiled: not this one's
@@ -93,6 +93,13 @@ class NativeBackend(Backend):
         if self.plain is None or self.plain.fallback or config.without_spec() != self.config.without_spec():
             return None
         return NativeBackend(config, engine=self)
+
+    def plain_twin(self) -> "NativeBackend | None":
+        """Where this point's speculation sent its target decoder back to the eager step (``SpeculativeDecoder.
+        prepare``), plain decoding on that decoder; the plain point's own engine decodes compiled."""
+        if not self.config.config.speculative or not self._target.fallback:
+            return None
+        return NativeBackend(self.config.without_spec(), engine=self)
 
     @property
     def _target(self) -> Decoder:
