@@ -520,7 +520,8 @@ def _exact_cell(r: Row) -> str:
     if not r.exact:
         return ""
     n_equal = sum(r.exact["equal_per_prompt"])
-    return f"{'yes' if r.exact['equal'] else 'NO'} {n_equal}/{r.exact['n_prompts']}"
+    mark = " §" if r.exact.get("reference_step") else ""
+    return f"{'yes' if r.exact['equal'] else 'NO'} {n_equal}/{r.exact['n_prompts']}{mark}"
 
 
 def _basis_cell(r: Row) -> str:
@@ -575,6 +576,10 @@ def footer_lines(summary: StudySummary) -> list[str]:
         lines.append(f"len ×ref ? = the length gate is undecidable on its prompts for #"
                      f"{', #'.join(str(r.number) for r in undecided)} (the paired interval straddles the band): "
                      "recorded, not enforced; more --length-prompts decide it")
+    own_step = [r for r in summary.measured if r.exact and r.exact.get("reference_step")]
+    if own_step:
+        lines.append(f"§ greedy = plain decoding on the step the point ran on, not its twin's engine's, for #"
+                     f"{', #'.join(str(r.number) for r in own_step)} (lossless speculation reproduces its own kernels)")
     if summary.compile_s:
         lines.append(f"compiled steps built in {summary.compile_s:.0f} s in all (one-time, in no row's speed)")
     steps = summary.steps

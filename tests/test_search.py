@@ -302,6 +302,8 @@ def test_a_point_speculating_on_another_step_is_checked_against_plain_decoding_t
             assert t.constraints["exactness"] == 0 and t.user_attrs["label"] in measurements(log, "length")
         else:
             assert not check["equal"] and check["reference_step"] is None and kind == "infeasible"
+    footer = [line for line in footer_lines(summarize(outcome.study)) if line.startswith("§ greedy =")]
+    assert bool(footer) == on_step and all(f"#{t.number}" in footer[0] for t in spec if on_step)
 
 
 def test_vllm_point_quality_is_measured_by_its_own_backend(tmp_path, tiny_llama_dir):
