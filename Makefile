@@ -25,7 +25,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import torch, vllm, lm_eval, optuna, compressed_tensors, runtime, quant, specdec, evals, serving, studies, quantspec"
 	touch $(STAMP)
 
-# The default model, and this machine's C++ GEMV ops (runtime/cpu_ops.py; AVX512-BF16 CPUs only, 13-21 s once per
+# The default model, and this machine's C++ GEMV ops (runtime/cpu_ops.py; AVX-512 CPUs only, 13-21 s once per
 # machine and torch version): built here, not by the first command that decodes (the demo's search)
 model: setup
 	.venv/bin/quantspec model fetch

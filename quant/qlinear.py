@@ -7,7 +7,7 @@ A ``QuantizedLinear`` holds one *kernel*: a small module that owns the packed bu
 * ``int8pack``  -- W8 symmetric per-channel, weight-only: ``torch.ops.aten._weight_int8pack_mm`` (real int8).
 * ``int4pack``  -- W4 per-group (sym or asym), weight-only: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on
   weights packed by ``_convert_weight_to_int4pack_for_cpu`` (real int4).
-* ``int4gemv`` / ``int8gemv`` -- the same two formats on quantspec's own AVX512-BF16 kernels (``quant.gemv``):
+* ``int4gemv`` / ``int8gemv`` -- the same two formats on quantspec's own AVX-512 kernels (``quant.gemv``):
   each is chosen over the torch kernel where it builds, is right and streams faster on one row.
 * ``int4pack-cuda`` / ``int8-dequant-cuda`` -- the same two formats on a GPU (torch's CUDA tinygemm; int8
   codes widened inside the product), chosen only where a small product on that GPU ran and was right.

@@ -1,9 +1,11 @@
 """quantspec's own C++ ops (``runtime/csrc/gemv.cpp``): ``quantspec::bf16_gemv``, ``int4_gemv`` and ``int8_gemv``,
-decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX512-BF16, each output row run by the
-same instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs).
+decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX-512, each output row run by the same
+instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs). With
+AVX512-BF16 they multiply with ``vdpbf16ps``; without it (Intel Ice Lake) the same arithmetic runs as two FMAs.
+Whether they beat torch's kernel is measured per machine (``packed_linear.gemv_missing``, ``quant.gemv``).
 
 They are built with torch's C++ extension loader (ninja and the C++ compiler; seconds, once per machine and torch
-version, under ``$QUANTSPEC_HOME/extensions``) the first time a machine with AVX512-BF16 asks for them, and
+version, under ``$QUANTSPEC_HOME/extensions``) the first time an AVX-512 machine asks for them, and
 registered with fake implementations so that compiled steps call them as extern kernels. ``ops_missing`` says why
 they cannot run here; callers then use torch's kernels. Weight layouts: ``pack_bf16`` here, the int formats in
 ``quant/gemv.py``.
@@ -21,13 +23,18 @@ from runtime.hardware import OVERRIDE_ENV, cpu_flag, probe, quantspec_home
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off"]
+BF16_CFLAGS = ["-mavx512bf16"]  # vdpbf16ps where the CPU has it
 ROWS = 16  # output rows per block of the packed layouts
+
+
+def cflags() -> list[str]:
+    return CFLAGS + (BF16_CFLAGS if cpu_flag("avx512_bf16") else [])
 
 
 def build_dir() -> Path:
     """Where this source, these flags and this torch build the ops (a change to any of them builds anew)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags()).encode() + torch.__version__.encode())
     return quantspec_home() / "extensions" / f"gemv-{key.hexdigest()[:12]}"
 
 
@@ -41,7 +48,7 @@ def _build() -> str | None:
     if not any(where.glob("*.so")):
         log.warning("building quantspec's bf16/int4/int8 GEMV kernels (once per machine and torch version)")
     try:
-        cpp_extension.load("quantspec_gemv", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        cpp_extension.load("quantspec_gemv", [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(where), is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001  (any build failure means: use torch's kernels)
         return f"its C++ build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
@@ -58,8 +65,8 @@ def ops_missing() -> str | None:
     """Why the ops cannot run on this machine (built here when they can), or None."""
     if probe().forced:
         return f"not used under {OVERRIDE_ENV}={probe().forced}"
-    if not cpu_flag("avx512_bf16"):
-        return "needs AVX512-BF16, which this CPU lacks"
+    if not cpu_flag("avx512"):
+        return "needs AVX-512 (F, BW, VL), which this CPU lacks"
     return _build()
 
 

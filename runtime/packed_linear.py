@@ -8,8 +8,9 @@ faster (what inductor's weight freezing does; measured in bench/results, decode-
 * bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``
   (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
   missing the others are labelled as a fallback. For decode-sized products (up to ``EXACT_ROWS`` rows)
-  ``bf16gemv``, quantspec's own AVX512-BF16 kernel (``runtime/cpu_ops.py``), goes first where it runs, is right
-  and streams one row faster than the kernel it displaces (``gemv_missing`` says why not otherwise); compiled
+  ``bf16gemv``, quantspec's own AVX-512 kernel (``runtime/cpu_ops.py``), goes first where it runs, is right
+  and streams one row faster than the kernel it displaces (``gemv_missing`` says why not otherwise), and runs wider
+  products too where it also multiplies 128 rows faster (``gemv_wide``: where bf16 is emulated); compiled
   steps call it too, as an extern kernel on the same packed weight, so their verification rows are the one-token
   step's by construction.
 
@@ -39,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu_ops import bf16_fits, build_dir, ops_missing, pack_bf16
-from runtime.hardware import (EXACT_ROWS, beaten, cached_per_thread_count, probe, ranked, row_invariance,
-                              streamed_decode_us)
+from runtime.hardware import (EXACT_ROWS, beaten, cached_per_thread_count, measured_speeds, probe, ranked,
+                              row_invariance, streamed_decode_us)
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -156,11 +157,24 @@ def _gemv_verdict(build: Path, n: int = 1536, k: int = 576) -> str | None:
     other = displaced()
     makers = {name: lambda seed, make=DENSE[torch.bfloat16][name]: make(
         torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)) for name in (GEMV, other)}
-    name = f"{GEMV}-vs-{other}/{n}x{k}/streamed/{build.name}"  # re-measured per build
-    us = streamed_decode_us(name, makers, n, k, bytes_per_weight=2)
+    us = streamed_decode_us(_gemv_probe(build), makers, n, k, bytes_per_weight=2)
     if beaten(us[GEMV], us[other]):
         return f"slower than {other} on one row here ({us[GEMV]} vs {us[other]} us)"
     return None
+
+
+def _gemv_probe(build: Path, n: int = 1536, k: int = 576) -> str:
+    return f"{GEMV}-vs-{displaced()}/{n}x{k}/streamed/{build.name}"  # re-measured per build
+
+
+def gemv_wide() -> bool:
+    """Whether ``bf16gemv`` also runs bf16 products wider than ``EXACT_ROWS`` (prefill, evaluation, calibration):
+    where it runs and its probe's 128-row product beat the kernel it displaces beyond ``TIE`` (Intel Ice Lake,
+    bf16 emulated: 2606 vs 4741 us against oneDNN's prepacked kernel)."""
+    if gemv_missing() is not None:
+        return False
+    us = measured_speeds().get(_gemv_probe(build_dir()), {}).get("us", {}).get("batch", {})
+    return GEMV in us and displaced() in us and beaten(us[displaced()], us[GEMV])
 
 
 def _by_speed(dtype: torch.dtype, shape: torch.Size) -> dict[str, list[str]]:
@@ -196,7 +210,8 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     """The prepacked kernel where the probe found it runs (measured fastest on every CPU kind seen); elsewhere
     the fastest fallback here. In bf16: for up to ``EXACT_ROWS`` rows ``bf16gemv`` where it runs and fits, else
     the fastest at decode whose rows are batch-invariant (exact speculation; the fastest when none is), above that
-    the fastest at 128 rows. Fallbacks are labelled as such."""
+    the fastest at 128 rows (``bf16gemv`` too where it beat that kernel there, ``gemv_wide``). Fallbacks are
+    labelled as such."""
     makers = candidates(weight.dtype)
     gemv = [GEMV] if makers.pop(GEMV, None) and bf16_fits(weight) else []  # ranked apart: decode rows only
     if not makers:
@@ -216,10 +231,11 @@ def pack(weight: torch.Tensor) -> DenseKernel | None:
     first = next(tried)
     name, fn, invariant = first if first[2] else next((t for t in tried if t[2]), first)
     gemv_fn = fn if name == GEMV else None
-    if batch[0] == name:
+    wide = GEMV if gemv_fn and batch[0] == displaced() and gemv_wide() else batch[0]
+    if wide == name:
         return DenseKernel(fn, name + fallback, invariant, gemv_fn)
-    return DenseKernel(by_rows(fn, lambda: build[batch[0]](weight)),
-                       f"{name} up to {EXACT_ROWS} rows, {batch[0]} above{fallback}", invariant, gemv_fn)
+    return DenseKernel(by_rows(fn, lambda: build[wide](weight)),
+                       f"{name} up to {EXACT_ROWS} rows, {wide} above{fallback}", invariant, gemv_fn)
 
 
 class DensePack:

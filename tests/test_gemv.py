@@ -81,7 +81,7 @@ def test_bf16_gemv_is_the_plain_product(n, k):
 @RUNS
 def test_bf16_layers_run_bf16gemv_for_decode_rows_eager_and_compiled():
     """Where ``gemv_missing`` finds it right and faster here, a bf16 layer runs ``bf16gemv`` up to EXACT_ROWS rows
-    and its usual kernel above; a compiled step calls the op on the weight ``prepare`` packed (negative control:
+    and its usual kernel above (``bf16gemv`` too where it won the 128-row probe, ``gemv_wide``); a compiled step calls the op on the weight ``prepare`` packed (negative control:
     that packed weight zeroed, the compiled output is zero, the plain product of the weight not)."""
     layer = packed_linear.PackedLinear(576, 192, bias=False).to(torch.bfloat16)
     if packed_linear.gemv_missing():
@@ -89,7 +89,8 @@ def test_bf16_layers_run_bf16gemv_for_decode_rows_eager_and_compiled():
     x = heavy_rows(3, 576)
     with torch.no_grad():
         assert torch.equal(layer(x), packed_linear.DENSE[torch.bfloat16]["bf16gemv"](layer.weight)(x))
-        assert layer.kernel_detail.startswith(f"bf16gemv up to {EXACT_ROWS} rows,") and layer.batch_invariant
+        wide = "bf16gemv" if packed_linear.gemv_wide() else f"bf16gemv up to {EXACT_ROWS} rows,"
+        assert layer.kernel_detail.startswith(wide) and layer.batch_invariant
         packed_linear.prepare(layer)
         step = torch.compile(layer, fullgraph=True, dynamic=False)
         assert torch.equal(step(x), layer(x))
@@ -242,3 +243,23 @@ def test_a_tie_on_the_probe_goes_to_our_kernel(monkeypatch):
         finally:
             packed_linear._gemv_verdict.cache_clear()
         assert got is None if verdict is None else got.startswith(f"slower than {other}")
+
+
+def test_bf16gemv_runs_wide_products_only_where_it_won_the_128_row_probe(monkeypatch):
+    """``gemv_wide``: on Intel Ice Lake (bf16 emulated) the probe's 128-row product took 2606 us on ``bf16gemv`` and
+    4741 us on oneDNN's prepacked kernel, so prefill and evaluation run it too; within ``hardware.TIE``, or where the
+    ops cannot run (negative controls), wide products stay on the kernel ranked fastest at 128 rows."""
+    from runtime import hardware
+
+    other = packed_linear.displaced()
+    timings = {}
+    monkeypatch.setattr(packed_linear, "gemv_missing", lambda: None)
+    monkeypatch.setattr(packed_linear, "measured_speeds", lambda: {
+        packed_linear._gemv_probe(packed_linear.build_dir()): {"us": {"batch": timings}}})
+    timings.update({packed_linear.GEMV: 2606.0, other: 4741.0})
+    assert packed_linear.gemv_wide()
+    timings.update({packed_linear.GEMV: 2606.0, other: 2606.0 * (1 + hardware.TIE) * 0.99})
+    assert not packed_linear.gemv_wide()
+    timings.update({packed_linear.GEMV: 2606.0, other: 4741.0})
+    monkeypatch.setattr(packed_linear, "gemv_missing", lambda: "needs AVX-512 (F, BW, VL), which this CPU lacks")
+    assert not packed_linear.gemv_wide()

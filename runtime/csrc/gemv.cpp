@@ -1,5 +1,6 @@
-// bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16 (runtime/cpu_ops.py
-// builds them; runtime/packed_linear.py and quant/gemv.py pack weights for them).
+// bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16, or on AVX-512 without
+// it, where vdpbf16ps and vcvtneps2bf16 are spelled in AVX-512F/BW instructions (``dpbf16``, ``to_bf16``; built
+// without -mavx512bf16). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
 //
 // bf16_gemv: plain bf16 weights. Layout: per block of 16 rows and per pair of columns (k, k+1), 64 bytes: bf16
 // 2i + e = w[row i, k + e], so one load is a vector of 16 (k, k+1) pairs and one vdpbf16ps consumes it.
@@ -38,22 +39,49 @@ inline __m512 bf16_to_fp32(const void* p) {  // 16 bf16 -> 16 fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-inline __m512bh pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
+#ifdef __AVX512BF16__
+inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {  // acc += pairwise products of 32 bf16 each
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+// vdpbf16ps's arithmetic in two FMAs a lane, the odd element of each pair first, then the even one (a bf16 is the
+// top half of an fp32, and a product of two is exact in fp32).
+inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, top)),
+                        _mm512_castsi512_ps(_mm512_and_si512(b, top)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+
+// fp32 -> bf16 rounded to nearest even, as vcvtneps2bf16 (a NaN stays a NaN).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+inline __m512i pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
   int32_t v;
   std::memcpy(&v, x, sizeof(v));
-  return (__m512bh)_mm512_set1_epi32(v);
+  return _mm512_set1_epi32(v);
 }
 
 // 32 packed bytes -> 128 + (low nibble), 128 + (high nibble) of each, as two vectors of 32 bf16.
-inline void nibbles(const uint8_t* piece, __m512bh& lo, __m512bh& hi) {
+inline void nibbles(const uint8_t* piece, __m512i& lo, __m512i& hi) {
   const __m512i mask = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
   __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece)));
-  lo = (__m512bh)_mm512_ternarylogic_epi32(u, mask, bias, 0xEA);  // (u & 0xF) | 0x4300
-  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(u, 4), bias);
+  lo = _mm512_ternarylogic_epi32(u, mask, bias, 0xEA);  // (u & 0xF) | 0x4300
+  hi = _mm512_or_si512(_mm512_srli_epi16(u, 4), bias);
 }
 
 inline void store(at::BFloat16* y, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), to_bf16(v));
 }
 
 struct Args {
@@ -81,11 +109,11 @@ void tile4(const Args& a, int64_t m0, int64_t b) {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const int64_t k = g * a.group_size + c * 32 + 4 * p;
-        __m512bh lo, hi;
+        __m512i lo, hi;
         nibbles(head + 64 + (c * 8 + p) * 32, lo, hi);
         for (int r = 0; r < R; ++r) {
-          t0[r] = _mm512_dpbf16_ps(t0[r], lo, pair(x + r * a.K + k));
-          t1[r] = _mm512_dpbf16_ps(t1[r], hi, pair(x + r * a.K + k + 2));
+          t0[r] = dpbf16(t0[r], lo, pair(x + r * a.K + k));
+          t1[r] = dpbf16(t1[r], hi, pair(x + r * a.K + k + 2));
         }
       }
     }
@@ -110,15 +138,15 @@ void tile8(const Args& a, int64_t m0, int64_t b) {
   for (int r = 0; r < R; ++r) low0[r] = high0[r] = low1[r] = high1[r] = _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int64_t k = 0; k < a.K; k += 4) {
-    __m512bh lo0, hi0, lo1, hi1;
+    __m512i lo0, hi0, lo1, hi1;
     nibbles(block + k * kRows, lo0, hi0);
     nibbles(block + (k + 2) * kRows, lo1, hi1);
     for (int r = 0; r < R; ++r) {
-      const __m512bh x0 = pair(x + r * a.K + k), x1 = pair(x + r * a.K + k + 2);
-      low0[r] = _mm512_dpbf16_ps(low0[r], lo0, x0);
-      high0[r] = _mm512_dpbf16_ps(high0[r], hi0, x0);
-      low1[r] = _mm512_dpbf16_ps(low1[r], lo1, x1);
-      high1[r] = _mm512_dpbf16_ps(high1[r], hi1, x1);
+      const __m512i x0 = pair(x + r * a.K + k), x1 = pair(x + r * a.K + k + 2);
+      low0[r] = dpbf16(low0[r], lo0, x0);
+      high0[r] = dpbf16(high0[r], hi0, x0);
+      low1[r] = dpbf16(low1[r], lo1, x1);
+      high1[r] = dpbf16(high1[r], hi1, x1);
     }
   }
   __m512 s = bf16_to_fp32(a.scales + b * kRows);
@@ -139,11 +167,11 @@ void tile16(const Args& a, int64_t m0, int64_t b) {
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
   for (int64_t k = 0; k < a.K; k += 4) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + k * 32);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + k * 32 + 64);
+    const __m512i w0 = _mm512_loadu_si512(block + k * 32);
+    const __m512i w1 = _mm512_loadu_si512(block + k * 32 + 64);
     for (int r = 0; r < R; ++r) {
-      even[r] = _mm512_dpbf16_ps(even[r], w0, pair(x + r * a.K + k));
-      odd[r] = _mm512_dpbf16_ps(odd[r], w1, pair(x + r * a.K + k + 2));
+      even[r] = dpbf16(even[r], w0, pair(x + r * a.K + k));
+      odd[r] = dpbf16(odd[r], w1, pair(x + r * a.K + k + 2));
     }
   }
   for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, _mm512_add_ps(even[r], odd[r]));
