@@ -264,6 +264,14 @@ class RealEvaluator:
                 "eot_rate": sum(c < self.length_tokens for c in counts) / len(counts),
                 "run_s": time.perf_counter() - t0}
 
+    def _fixed_length(self, serving, backend):
+        """The speed workload's fixed-length greedy run (ignore_eos) on ``backend``; raises where it failed."""
+        result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
+                               num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
+        if result.failed:
+            raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
+        return result
+
     def _remember(self, config: Config, backend) -> None:
         """Keep the engine a point ran on for its later runs (the length gate's comes after its twin's, when the
         search checks exactness), the last ``RESIDENT_ENGINES`` points'."""
@@ -291,10 +299,7 @@ class RealEvaluator:
         own = backend is not reference
         t1 = time.perf_counter()
         try:
-            result = run_benchmark(serving, self.workload, LoadSpec.closed(1), backend=backend,
-                                   num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
-            if result.failed:
-                raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
+            result = self._fixed_length(serving, backend)
             t_paired = time.perf_counter()
             rounds = self._paired(backend, config, [r.index for r in result.results])
             hold = not settle and (not own or backend.reusable)  # only an engine that stays open can go on
@@ -414,9 +419,5 @@ class RealEvaluator:
         step = twin.engine_config().get("step") or "?"
         key = (config.transformation, step)
         if key not in self._plain_tokens:
-            result = run_benchmark(twin.config, self.workload, LoadSpec.closed(1), backend=twin,
-                                   num_prompts=self.num_prompts, output_len=self.output_len, data_dir=self.data_dir)
-            if result.failed:
-                raise RuntimeError(f"benchmark failed: {result.summary.get('error')}")
-            self._plain_tokens[key] = [r.token_ids for r in result.results]
+            self._plain_tokens[key] = [r.token_ids for r in self._fixed_length(twin.config, twin).results]
         return self._plain_tokens[key], step
