@@ -160,7 +160,7 @@ def step_attention(model: Transformer) -> str:
     attention in bf16 where the CPU multiplies bf16 natively (its step ran 1.14x reduce's over 256 positions and 1.24x
     over 1024, bench/results/step_attention.*.json), else ``reduce`` (``reduce_attention``: fp32, or bf16 emulated,
     where that was not measured); ``reduce`` also for ``eager`` in bf16 where bf16 matmul is emulated (its rows
-    depend on the batch there, ``upcast_attention``). Otherwise the model's own ("eager" keeps its construction; on
+    may depend on the batch there: ``transformer.emulated_bf16_attention``). Otherwise the model's own ("eager" keeps its construction; on
     a GPU SDPA's kernels are the fast ones)."""
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":

@@ -1,11 +1,12 @@
 """quantspec's own C++ ops (``runtime/csrc/gemv.cpp``): ``quantspec::bf16_gemv``, ``int4_gemv`` and ``int8_gemv``,
-decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX-512, each output row run by the same
-instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs). With
-AVX512-BF16 they multiply with ``vdpbf16ps``; without it (Intel Ice Lake) the same arithmetic runs as two FMAs.
+decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX-512 or AVX2, each output row run by the
+same instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs). With
+AVX512-BF16 they multiply with ``vdpbf16ps``; without it (Intel Ice Lake) the same arithmetic runs as two FMAs, and
+on AVX2 + FMA (AMD EPYC without AVX-512, or ``QUANTSPEC_CPU_FEATURES=avx2``) as two FMAs on two 8-lane halves.
 Whether they beat torch's kernel is measured per machine (``packed_linear.gemv_missing``, ``quant.gemv``).
 
 They are built with torch's C++ extension loader (ninja and the C++ compiler; seconds, once per machine and torch
-version, under ``$QUANTSPEC_HOME/extensions``) the first time an AVX-512 machine asks for them, and
+version, under ``$QUANTSPEC_HOME/extensions``) the first time a machine asks for them, and
 registered with fake implementations so that compiled steps call them as extern kernels. ``ops_missing`` says why
 they cannot run here; callers then use torch's kernels. Weight layouts: ``pack_bf16`` here, the int formats in
 ``quant/gemv.py``.
@@ -19,17 +20,27 @@ from pathlib import Path
 
 import torch
 
-from runtime.hardware import OVERRIDE_ENV, cpu_flag, probe, quantspec_home
+from runtime.hardware import cpu_flag, probe, quantspec_home
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+ISA_CFLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"], "avx2": ["-mavx2", "-mfma"]}
 BF16_CFLAGS = ["-mavx512bf16"]  # vdpbf16ps where the CPU has it
 ROWS = 16  # output rows per block of the packed layouts
 
 
+def isa() -> str | None:
+    """The instruction set the ops are built for here: AVX-512 where the CPU has it and no smaller set is forced,
+    else AVX2 (+ FMA) where it has that, else None."""
+    if cpu_flag("avx512") and not probe().forced:
+        return "avx512"
+    return "avx2" if cpu_flag("avx2") else None
+
+
 def cflags() -> list[str]:
-    return CFLAGS + (BF16_CFLAGS if cpu_flag("avx512_bf16") else [])
+    bf16 = isa() == "avx512" and cpu_flag("avx512_bf16")
+    return CFLAGS + ISA_CFLAGS.get(isa(), []) + (BF16_CFLAGS if bf16 else [])
 
 
 def build_dir() -> Path:
@@ -38,12 +49,16 @@ def build_dir() -> Path:
     return quantspec_home() / "extensions" / f"gemv-{key.hexdigest()[:12]}"
 
 
+_LOADED: list[Path] = []  # the build this process loaded (one a process: the ops' names are global)
+
+
 @functools.cache
-def _build() -> str | None:
-    """Build and load the ops once per process; why they cannot be used, or None."""
+def _build(where: Path) -> str | None:
+    """Build and load the ops in ``where`` once per process; why they cannot be used, or None."""
+    if _LOADED:
+        return None if _LOADED[0] == where else f"this process loaded another build of them ({_LOADED[0].name})"
     from torch.utils import cpp_extension
 
-    where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
     if not any(where.glob("*.so")):
         log.warning("building quantspec's bf16/int4/int8 GEMV kernels (once per machine and torch version)")
@@ -58,16 +73,15 @@ def _build() -> str | None:
         lambda x, packed, group_size, out_features: x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("quantspec::int8_gemv")(
         lambda x, packed, scales: x.new_empty(x.shape[0], scales.shape[0]))
+    _LOADED.append(where)
     return None
 
 
 def ops_missing() -> str | None:
     """Why the ops cannot run on this machine (built here when they can), or None."""
-    if probe().forced:
-        return f"not used under {OVERRIDE_ENV}={probe().forced}"
-    if not cpu_flag("avx512"):
-        return "needs AVX-512 (F, BW, VL), which this CPU lacks"
-    return _build()
+    if isa() is None:
+        return "needs AVX2 with FMA or AVX-512 (F, BW, VL), which this CPU lacks"
+    return _build(build_dir())
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:

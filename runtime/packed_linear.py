@@ -186,7 +186,7 @@ def _by_speed(dtype: torch.dtype, shape: torch.Size) -> dict[str, list[str]]:
         fn = make(torch.randn(n, k).to(dtype))
         return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(dtype))
 
-    names = candidates(dtype)
+    names = {name: make for name, make in candidates(dtype).items() if name != GEMV}  # ranked apart (``pack``)
     return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})
 
 

@@ -6,6 +6,7 @@ rollback (just overwrite from an earlier position) are the same call.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.hardware import EXACT_ROWS, probe, probed_once
+from runtime.hardware import EXACT_ROWS, Hardware, probe, probed_once
 from runtime.packed_linear import PackedLinear, linears
 from runtime.registry import Registry
 
@@ -166,18 +167,27 @@ def batch_invariant_attention(q, k, v, mask):
 
 
 def upcast_attention(q, k, v, mask):
-    """``eager`` attention with its matmuls in fp32 and its output cast back: what ``eager`` runs on a CPU whose
-    bf16 matmul is emulated (no AVX512-BF16 or AMX), where bf16 rows depend on how many queries run together (Intel
-    Ice Lake: 5 probed queries, and a greedy speculative output that left plain decoding's at its 10th token)."""
+    """``eager`` attention with its matmuls in fp32 and its output cast back: what ``eager`` runs in bf16 on a CPU
+    whose bf16 matmul is emulated and whose bf16 attention rows depend on how many queries run together (Intel Ice
+    Lake: 5 probed queries, and a greedy speculative output that left plain decoding's at its 10th token)."""
     return batch_invariant_attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
 
 
 def attention_for(name: str, device: torch.device, dtype: torch.dtype) -> Callable:
     """The attention function a model loaded with ``name`` runs on ``device`` in ``dtype``: the registered one;
-    ``eager`` in bf16 on a CPU that emulates bf16 matmul runs ``upcast_attention`` (its rows stay batch-invariant)."""
+    ``eager`` in bf16 on a CPU that emulates bf16 matmul runs ``emulated_bf16_attention``'s pick."""
     if name == "eager" and dtype == torch.bfloat16 and device.type == "cpu" and not probe().bf16_native:
-        return upcast_attention
+        return emulated_bf16_attention(probe())
     return ATTENTION.get(name)
+
+
+@functools.cache
+def emulated_bf16_attention(hardware: Hardware) -> Callable:
+    """``eager``'s bf16 attention where its rows probe batch-invariant on the default model's attention shape (AMD
+    EPYC, AVX2: 0 queries, where fp32 matmuls gave 45 other bits), else ``upcast_attention`` (Intel Ice Lake)."""
+    variant = attention_rows_differing(batch_invariant_attention, n_kv=3, group=3, head_dim=64,
+                                       align=KEY_ALIGN["eager"], max_len=KEY_BLOCK + 76)
+    return upcast_attention if variant else batch_invariant_attention
 
 
 def attention_rows_differing(attend, n_kv: int, group: int, head_dim: int, align: int, max_len: int,

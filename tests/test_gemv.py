@@ -1,4 +1,4 @@
-"""runtime/cpu_ops.py, quant/gemv.py: the AVX512-BF16 int4 / int8 GEMV kernels run their torch kernel's format
+"""runtime/cpu_ops.py, quant/gemv.py: the AVX-512 / AVX2 int4 / int8 GEMV kernels run their torch kernel's format
 (same weights, same export), give the dequantized product, the bf16 one the plain product; a row's output does not
 depend on the rows beside it; bf16 layers run ``bf16gemv`` for decode rows, eager and compiled; every kernel is left
 out with the reason where it cannot run."""
@@ -105,16 +105,22 @@ def int_pair(cls, scheme):
 
 def bf16_pair():
     w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
-    return "bf16gemv", packed_linear.DENSE[torch.bfloat16]["bf16gemv"](w), lambda rows: rows @ w.T
+    # batches as the exact product rounded once: torch's own bf16 product summed in our order on AVX2 (AMD EPYC)
+    return "bf16gemv", packed_linear.DENSE[torch.bfloat16]["bf16gemv"](w), \
+        lambda rows: (rows.double() @ w.double().T).bfloat16()
 
 
 @RUNS
 @pytest.mark.parametrize("pair", [lambda: int_pair(Int4GemvKernel, "w4g32-sym"),
                                   lambda: int_pair(Int8GemvKernel, "w8ch-sym"), bf16_pair],
                          ids=["int4gemv", "int8gemv", "bf16gemv"])
-def test_rows_are_bitwise_the_same_alone_and_in_a_batch(pair):
-    """The probe every layer runs finds the kernel row-invariant at 1..33 rows; negative control: the same probe
-    on a product whose batches go through the torch kernel (another summation order) finds lone rows differ."""
+def test_rows_are_bitwise_the_same_alone_and_in_a_batch(pair, monkeypatch):
+    """The probe every layer runs (measured here, not read from the home's cache) finds the kernel row-invariant at
+    1..33 rows; negative control: the same probe on a product whose batches go through another kernel (another
+    summation order) finds lone rows differ."""
+    from runtime import hardware
+
+    monkeypatch.setattr(hardware, "probed_once", lambda key, measure: measure())
     name, ours, theirs = pair()
     x = heavy_rows(33, 576)
     assert torch.equal(torch.cat([ours(x[i:i + 1]) for i in range(33)]), ours(x))
@@ -128,18 +134,22 @@ def test_rows_are_bitwise_the_same_alone_and_in_a_batch(pair):
     assert row_invariance(("test-" + name + "-mixed", 64), mixed, 576) in ("two-rows", None)
 
 
-def test_not_used_under_the_avx2_override(monkeypatch):
-    """Forced to AVX2 (as ``make test-avx2`` runs), layers run torch's kernels (bf16 ones too) and naming ours is
-    refused."""
-    from runtime import hardware
+def test_built_for_avx2_under_the_override_and_left_out_on_a_cpu_without_avx2(monkeypatch):
+    """Forced to AVX2 (as ``make test-avx2`` runs) the ops build from their AVX2 code (no AVX-512 flag, a build of
+    its own); on a CPU with neither AVX2 nor AVX-512 every kernel is left out with the reason, layers run torch's
+    kernels (bf16 ones too) and naming ours is refused."""
+    from runtime import cpu_ops, hardware
 
     monkeypatch.setenv(hardware.OVERRIDE_ENV, "avx2")
     hardware.probe.cache_clear()
     gemv_missing.cache_clear()
     try:
-        assert "not used under" in gemv_missing("int4gemv") and (cpu_kernel(4), cpu_kernel(8)) == ("int4pack",
-                                                                                                    "int8pack")
-        assert "not used under" in packed_linear.gemv_missing()
+        assert cpu_ops.isa() == "avx2" and "-mavx2" in cpu_ops.cflags()
+        assert not any("avx512" in flag for flag in cpu_ops.cflags())
+        monkeypatch.setattr(cpu_ops, "cpu_flag", lambda name: False)
+        assert "needs AVX2" in gemv_missing("int4gemv") and (cpu_kernel(4), cpu_kernel(8)) == ("int4pack",
+                                                                                               "int8pack")
+        assert "needs AVX2" in packed_linear.gemv_missing()
         assert "bf16gemv" not in packed_linear.candidates(torch.bfloat16)
         spec = parse_scheme("w4g32-sym").weights
         assert select_kernel(spec, None, (64, 64)).name == "int4pack"
@@ -261,5 +271,5 @@ def test_bf16gemv_runs_wide_products_only_where_it_won_the_128_row_probe(monkeyp
     timings.update({packed_linear.GEMV: 2606.0, other: 2606.0 * (1 + hardware.TIE) * 0.99})
     assert not packed_linear.gemv_wide()
     timings.update({packed_linear.GEMV: 2606.0, other: 4741.0})
-    monkeypatch.setattr(packed_linear, "gemv_missing", lambda: "needs AVX-512 (F, BW, VL), which this CPU lacks")
+    monkeypatch.setattr(packed_linear, "gemv_missing", lambda: "needs AVX2 with FMA or AVX-512 (F, BW, VL), which this CPU lacks")
     assert not packed_linear.gemv_wide()

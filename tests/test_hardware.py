@@ -152,7 +152,7 @@ def test_bf16_rows_up_to_the_widest_verification_take_the_invariant_kernel():
 
 
 def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
-    from runtime.packed_linear import PackedLinear
+    from runtime.packed_linear import GEMV, PackedLinear, gemv_missing
 
     torch.manual_seed(0)
     layer = PackedLinear(576, 96, bias=False).to(torch.bfloat16)
@@ -162,7 +162,9 @@ def test_bf16_fallback_is_named_close_and_its_invariance_is_probed(forced_avx2):
     assert "fallback" in layer.kernel_detail and "onednn" not in layer.kernel_detail
     kernel = layer.kernel_detail.split(" ")[0]
     rank = hardware.measured_speeds()["dense-bfloat16/96x576"]["rank"]
-    assert set(rank["decode"]) == {"aten-bf16", "fp32-upcast"} and kernel in rank["decode"]  # faster, or invariant
+    assert set(rank["decode"]) == {"aten-bf16", "fp32-upcast"}
+    # decode rows: quantspec's AVX2 bf16gemv where it won its probe, else the faster (or invariant) torch kernel
+    assert kernel == (GEMV if gemv_missing() is None else kernel) and kernel in (*rank["decode"], GEMV)
     wide = rank["batch"][0]  # above the widest verification: the fastest at 128 rows, named beside it
     assert (f"{kernel} up to {hardware.EXACT_ROWS} rows, {wide} above" in layer.kernel_detail) == (wide != kernel)
     rows = torch.randn(hardware.EXACT_ROWS + 8, 576).to(torch.bfloat16)
@@ -311,10 +313,23 @@ def test_attention_probe_tells_a_batch_variant_attention_from_an_invariant_one()
     assert attention_rows_differing(_variant_attention, **shape) > 0
 
 
-def test_upcast_attention_is_batch_invariant_and_refusal_names_the_attention(tiny_llama_dir, monkeypatch):
-    """``eager`` with fp32 matmuls (what bf16 runs where bf16 matmul is emulated: Intel Ice Lake's bf16 matmuls gave 5
-    probed queries other bits) passes the probe there; with every linear invariant, an invariant attention lets
-    bf16 speculation run and a batch-variant one refuses it in one line naming it (negative control)."""
+def test_emulated_bf16_runs_the_attention_that_probed_invariant(monkeypatch):
+    """``emulated_bf16_attention`` keeps bf16 where its probe finds no query differing and upcasts where it finds
+    some (negative control: the probe reporting differing queries)."""
+    from runtime import transformer
+
+    for differing, want in ((0, transformer.batch_invariant_attention), (5, transformer.upcast_attention)):
+        monkeypatch.setattr(transformer, "attention_rows_differing",
+                            lambda attend, **shape: differing if attend is transformer.batch_invariant_attention else 0)
+        assert transformer.emulated_bf16_attention.__wrapped__(hardware.probe()) is want
+
+
+def test_emulated_bf16_attention_is_batch_invariant_and_refusal_names_the_attention(tiny_llama_dir, monkeypatch):
+    """Where bf16 matmul is emulated, ``eager`` in bf16 runs the attention of the two that probes invariant there
+    (``upcast_attention``, fp32 matmuls, on Intel Ice Lake, whose bf16 matmuls gave 5 probed queries other bits;
+    bf16 on AMD EPYC AVX2, whose fp32 matmuls gave 45), and it passes the probe on the model's shape too; with every
+    linear invariant, an invariant attention lets bf16 speculation run and a batch-variant one refuses it in one
+    line naming it (negative control)."""
     from runtime.loading import load_model
     from runtime import transformer
     from specdec.speculative import SpeculativeDecoder
@@ -322,8 +337,9 @@ def test_upcast_attention_is_batch_invariant_and_refusal_names_the_attention(tin
     lm = load_model(str(tiny_llama_dir), "bf16", attn_implementation="eager")
     args = lm.model.args
     if hardware.probe().bf16_matmul == "emulated":  # where bf16 eager attention runs it
-        assert transformer.attention_for("eager", torch.device("cpu"), torch.bfloat16) is transformer.upcast_attention
-        assert transformer.attention_rows_differing(transformer.upcast_attention, args.n_kv_heads,
+        chosen = transformer.attention_for("eager", torch.device("cpu"), torch.bfloat16)
+        assert chosen in (transformer.batch_invariant_attention, transformer.upcast_attention)
+        assert transformer.attention_rows_differing(chosen, args.n_kv_heads,
                                                     args.n_heads // args.n_kv_heads, args.head_dim, 64, 1100) == 0
     for m in (m for m in lm.model.modules() if hasattr(m, "_pack")):  # every linear invariant: attention decides
         m._pack.get(m.weight).batch_invariant = True

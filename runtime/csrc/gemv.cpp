@@ -1,6 +1,7 @@
-// bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16, or on AVX-512 without
+// bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16, on AVX-512 without
 // it, where vdpbf16ps and vcvtneps2bf16 are spelled in AVX-512F/BW instructions (``dpbf16``, ``to_bf16``; built
-// without -mavx512bf16). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
+// without -mavx512bf16), or on AVX2 + FMA, where the same arithmetic runs on two 8-lane halves (built without
+// -mavx512f). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
 //
 // bf16_gemv: plain bf16 weights. Layout: per block of 16 rows and per pair of columns (k, k+1), 64 bytes: bf16
 // 2i + e = w[row i, k + e], so one load is a vector of 16 (k, k+1) pairs and one vdpbf16ps consumes it.
@@ -27,37 +28,54 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int kRows = 16;  // output rows per block (one zmm of fp32 lanes)
+constexpr int kRows = 16;  // output rows per block (one vector of 16 fp32 lanes)
 
-inline __m512 bf16_to_fp32(const void* p) {  // 16 bf16 -> 16 fp32
+#ifdef __AVX512F__
+// One vector: 16 fp32 lanes (VF), or the 512 bits of 32 bf16 / 64 bytes (VI); rows i = lane i.
+using VF = __m512;
+using VI = __m512i;
+constexpr int kMaxRows = 8;   // input rows per tile: a verification of up to 8 tokens unpacks each weight once
+constexpr int kMaxRows8 = 6;  // int8's: four accumulators a row, in 32 vector registers
+
+inline VF zero() { return zero(); }
+inline VF set1(float v) { return set1(v); }
+inline VF fma(VF a, VF b, VF c) { return fma(a, b, c); }
+inline VF add(VF a, VF b) { return add(a, b); }
+inline VF mul(VF a, VF b) { return mul(a, b); }
+inline float hsum(VF v) { return _mm512_reduce_add_ps(v); }
+inline VI load(const void* p) { return _mm512_loadu_si512(p); }
+inline VI set1_32(int32_t v) { return _mm512_set1_epi32(v); }
+
+inline VF bf16_to_fp32(const void* p) {  // 16 bf16 -> 16 fp32
   __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 #ifdef __AVX512BF16__
-inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {  // acc += pairwise products of 32 bf16 each
+inline VF dpbf16(VF acc, VI a, VI b) {  // acc += pairwise products of 32 bf16 each
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m256i to_bf16(VF v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 #else
 // vdpbf16ps's arithmetic in two FMAs a lane, the odd element of each pair first, then the even one (a bf16 is the
 // top half of an fp32, and a product of two is exact in fp32).
-inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+inline VF dpbf16(VF acc, VI a, VI b) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, top)),
+  acc = fma(_mm512_castsi512_ps(_mm512_and_si512(a, top)),
                         _mm512_castsi512_ps(_mm512_and_si512(b, top)), acc);
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+  return fma(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
                          _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
 }
 
 // fp32 -> bf16 rounded to nearest even, as vcvtneps2bf16 (a NaN stays a NaN).
-inline __m256i to_bf16(__m512 v) {
+inline __m256i to_bf16(VF v) {
   const __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
@@ -66,21 +84,88 @@ inline __m256i to_bf16(__m512 v) {
 }
 #endif
 
-inline __m512i pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
-  int32_t v;
-  std::memcpy(&v, x, sizeof(v));
-  return _mm512_set1_epi32(v);
-}
-
 // 32 packed bytes -> 128 + (low nibble), 128 + (high nibble) of each, as two vectors of 32 bf16.
-inline void nibbles(const uint8_t* piece, __m512i& lo, __m512i& hi) {
+inline void nibbles(const uint8_t* piece, VI& lo, VI& hi) {
   const __m512i mask = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
   __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece)));
   lo = _mm512_ternarylogic_epi32(u, mask, bias, 0xEA);  // (u & 0xF) | 0x4300
   hi = _mm512_or_si512(_mm512_srli_epi16(u, 4), bias);
 }
+#else
+// AVX2 + FMA: the same arithmetic on pairs of 8-lane halves (rows 0-7, rows 8-15), so the kernels below and the
+// packed layouts are one for both ISAs. 16 vector registers: fewer input rows share a pass over a block.
+struct VF { __m256 a, b; };
+struct VI { __m256i a, b; };
+constexpr int kMaxRows = 2;
+constexpr int kMaxRows8 = 1;
 
-inline void store(at::BFloat16* y, __m512 v) {
+inline VF zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VF set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline VF fma(VF x, VF y, VF c) { return {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)}; }
+inline VF add(VF x, VF y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline VF mul(VF x, VF y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline float hsum(VF v) {
+  __m256 s = _mm256_add_ps(v.a, v.b);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+inline VI load(const void* p) {
+  const __m256i* v = static_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+}
+inline VI set1_32(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+
+inline __m256 widen(__m128i h) {  // 8 bf16 -> 8 fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline VF bf16_to_fp32(const void* p) {
+  const __m128i* h = static_cast<const __m128i*>(p);
+  return {widen(_mm_loadu_si128(h)), widen(_mm_loadu_si128(h + 1))};
+}
+
+inline __m256 dp_half(__m256 acc, __m256i a, __m256i b) {  // as the AVX-512 dpbf16 below, on 8 lanes
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, top)),
+                        _mm256_castsi256_ps(_mm256_and_si256(b, top)), acc);
+  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+}
+
+// vdpbf16ps's arithmetic, the odd element of each pair first, then the even one.
+inline VF dpbf16(VF acc, VI x, VI y) { return {dp_half(acc.a, x.a, y.a), dp_half(acc.b, x.b, y.b)}; }
+
+inline __m256i round_half(__m256 v) {  // fp32 -> bf16 (rounded to nearest even, a NaN stays a NaN) in 32-bit lanes
+  const __m256i u = _mm256_castps_si256(v), high = _mm256_srli_epi32(u, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+inline __m256i to_bf16(VF v) {  // 16 lanes -> 16 bf16 in row order
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(round_half(v.a), round_half(v.b)), 0xD8);
+}
+
+inline void nibbles(const uint8_t* piece, VI& lo, VI& hi) {
+  const __m256i mask = _mm256_set1_epi16(0x000F), bias = _mm256_set1_epi16(0x4300);
+  const __m128i* p = reinterpret_cast<const __m128i*>(piece);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(p + h));
+    (h ? lo.b : lo.a) = _mm256_or_si256(_mm256_and_si256(u, mask), bias);
+    (h ? hi.b : hi.a) = _mm256_or_si256(_mm256_srli_epi16(u, 4), bias);
+  }
+}
+#endif
+
+inline VI pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return set1_32(v);
+}
+
+inline void store(at::BFloat16* y, VF v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), to_bf16(v));
 }
 
@@ -99,17 +184,17 @@ void tile4(const Args& a, int64_t m0, int64_t b) {
   const int64_t chunks = a.group_size / 32, group_bytes = 64 + chunks * 256;
   const at::BFloat16* x = a.x + m0 * a.K;
   const uint8_t* block = a.w + b * a.block_bytes;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* head = block + g * group_bytes;
-    __m512 t0[R], t1[R];
-    for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm512_setzero_ps();
+    VF t0[R], t1[R];
+    for (int r = 0; r < R; ++r) t0[r] = t1[r] = zero();
     for (int64_t c = 0; c < chunks; ++c) {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const int64_t k = g * a.group_size + c * 32 + 4 * p;
-        __m512i lo, hi;
+        VI lo, hi;
         nibbles(head + 64 + (c * 8 + p) * 32, lo, hi);
         for (int r = 0; r < R; ++r) {
           t0[r] = dpbf16(t0[r], lo, pair(x + r * a.K + k));
@@ -117,11 +202,11 @@ void tile4(const Args& a, int64_t m0, int64_t b) {
         }
       }
     }
-    __m512 s = bf16_to_fp32(head), t = bf16_to_fp32(head + 32);
-    __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-136.0f), s, t);
+    VF s = bf16_to_fp32(head), t = bf16_to_fp32(head + 32);
+    VF offset = fma(set1(-136.0f), s, t);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t0[r], t1[r]), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sumx[(m0 + r) * a.groups + g]), acc[r]);
+      acc[r] = fma(add(t0[r], t1[r]), s, acc[r]);
+      acc[r] = fma(offset, set1(a.sumx[(m0 + r) * a.groups + g]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, acc[r]);
@@ -134,27 +219,27 @@ template <int R>
 void tile8(const Args& a, int64_t m0, int64_t b) {
   const at::BFloat16* x = a.x + m0 * a.K;
   const uint8_t* block = a.w + b * a.block_bytes;
-  __m512 low0[R], high0[R], low1[R], high1[R];
-  for (int r = 0; r < R; ++r) low0[r] = high0[r] = low1[r] = high1[r] = _mm512_setzero_ps();
+  VF low0[R], high0[R], low1[R], high1[R];
+  for (int r = 0; r < R; ++r) low0[r] = high0[r] = low1[r] = high1[r] = zero();
 #pragma GCC unroll 2
   for (int64_t k = 0; k < a.K; k += 4) {
-    __m512i lo0, hi0, lo1, hi1;
+    VI lo0, hi0, lo1, hi1;
     nibbles(block + k * kRows, lo0, hi0);
     nibbles(block + (k + 2) * kRows, lo1, hi1);
     for (int r = 0; r < R; ++r) {
-      const __m512i x0 = pair(x + r * a.K + k), x1 = pair(x + r * a.K + k + 2);
+      const VI x0 = pair(x + r * a.K + k), x1 = pair(x + r * a.K + k + 2);
       low0[r] = dpbf16(low0[r], lo0, x0);
       high0[r] = dpbf16(high0[r], hi0, x0);
       low1[r] = dpbf16(low1[r], lo1, x1);
       high1[r] = dpbf16(high1[r], hi1, x1);
     }
   }
-  __m512 s = bf16_to_fp32(a.scales + b * kRows);
+  VF s = bf16_to_fp32(a.scales + b * kRows);
   for (int r = 0; r < R; ++r) {
-    const __m512 high = _mm512_add_ps(high0[r], high1[r]), low = _mm512_add_ps(low0[r], low1[r]);
-    __m512 v = _mm512_fmadd_ps(high, _mm512_set1_ps(16.0f), low);
-    v = _mm512_fmadd_ps(_mm512_set1_ps(-2304.0f), _mm512_set1_ps(a.sumx[m0 + r]), v);
-    store(a.y + (m0 + r) * a.N + b * kRows, _mm512_mul_ps(v, s));
+    const VF high = add(high0[r], high1[r]), low = add(low0[r], low1[r]);
+    VF v = fma(high, set1(16.0f), low);
+    v = fma(set1(-2304.0f), set1(a.sumx[m0 + r]), v);
+    store(a.y + (m0 + r) * a.N + b * kRows, mul(v, s));
   }
 }
 
@@ -163,23 +248,21 @@ template <int R>
 void tile16(const Args& a, int64_t m0, int64_t b) {
   const at::BFloat16* x = a.x + m0 * a.K;
   const uint8_t* block = a.w + b * a.block_bytes;
-  __m512 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  VF even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = zero();
 #pragma GCC unroll 4
   for (int64_t k = 0; k < a.K; k += 4) {
-    const __m512i w0 = _mm512_loadu_si512(block + k * 32);
-    const __m512i w1 = _mm512_loadu_si512(block + k * 32 + 64);
+    const VI w0 = load(block + k * 32);
+    const VI w1 = load(block + k * 32 + 64);
     for (int r = 0; r < R; ++r) {
       even[r] = dpbf16(even[r], w0, pair(x + r * a.K + k));
       odd[r] = dpbf16(odd[r], w1, pair(x + r * a.K + k + 2));
     }
   }
-  for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, _mm512_add_ps(even[r], odd[r]));
+  for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, add(even[r], odd[r]));
 }
 
 using TileFn = void (*)(const Args&, int64_t, int64_t);
-constexpr int kMaxRows = 8;  // input rows per tile: a verification of up to 8 tokens unpacks each weight once
-constexpr int kMaxRows8 = 6;  // int8's: four accumulators a row, in 32 vector registers
 
 template <template <int> class Tile, int... R>
 TileFn for_rows(int64_t rows, std::integer_sequence<int, R...>) {
@@ -206,9 +289,9 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloa
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   std::vector<float> sumx(group_sums ? M * (K / group_size) : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(sumx.size()); ++i) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t k = 0; k < group_size; k += 16) s = _mm512_add_ps(s, bf16_to_fp32(xp + i * group_size + k));
-    sumx[i] = _mm512_reduce_add_ps(s);
+    VF s = zero();
+    for (int64_t k = 0; k < group_size; k += 16) s = add(s, bf16_to_fp32(xp + i * group_size + k));
+    sumx[i] = hsum(s);
   }
   const Args a{xp, sumx.data(), packed.data_ptr<uint8_t>(), scales, y.data_ptr<at::BFloat16>(),
                K, out_features, K / group_size, group_size, block_bytes};
