@@ -280,9 +280,9 @@ def render_quant_decode_compiled(d: dict) -> str:
 
 
 @bench("gemv.*.json", "quantspec's bf16 / int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
-       "Each product of quantspec's AVX-512 kernels (`runtime/cpu_ops.py`: `bf16gemv` on bf16 weights, "
+       "Each product of quantspec's AVX-512 / AVX2 kernels (`runtime/cpu_ops.py`: `bf16gemv` on bf16 weights, "
        "`int4gemv` on int4 g32, `int8gemv` on int8 per channel, a code made an exact bf16 with one OR; all multiply "
-       "with `vdpbf16ps`, or its arithmetic in FMAs without AVX512-BF16) paired with the torch kernel it stands in for (oneDNN's prepacked bf16 GEMM, `int4pack`, "
+       "with `vdpbf16ps`, or its arithmetic in FMAs without AVX512-BF16, on 8-lane halves on AVX2) paired with the torch kernel it stands in for (oneDNN's prepacked bf16 GEMM, `int4pack`, "
        "`int8pack`: the same weights) at every linear shape of the default model, on one row "
        "(decode) and five (a four-token verification), each call on the next of enough distinct weights that they "
        "stream from memory; ratio with its CI, and the read bandwidth each kernel reaches beside the machine's.")

@@ -1,5 +1,6 @@
 """``int4gemv`` and ``int8gemv``: quantspec's own C++ kernels (``runtime/csrc/gemv.cpp``) for decode-sized
-products of int4 / int8 weights and bf16 inputs on AVX-512 (``vdpbf16ps`` with AVX512-BF16, two FMAs without).
+products of int4 / int8 weights and bf16 inputs on AVX-512 (``vdpbf16ps`` with AVX512-BF16, two FMAs without) or
+AVX2 (two FMAs on each 8-lane half).
 
 torch's ``_weight_int4pack_mm_for_cpu`` streams the default model's int4 body at about 12 GB/s at one row on an
 AMD EPYC (AVX-512), a third of the machine's read bandwidth: each code is widened and converted to fp32 before
@@ -162,7 +163,7 @@ def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: i
 
 @hardware.cached_per_thread_count
 def gemv_missing(name: str) -> str | None:
-    """Why kernel ``name`` is not used here (the AVX2 override, no AVX-512, a failed build, a wrong
+    """Why kernel ``name`` is not used here (neither AVX2 nor AVX-512, a failed build, a wrong
     product, or slower than the torch kernel on one row beyond ``hardware.TIE``), or None."""
     cls: type[GemvKernel] = KERNELS[name]
     why = ops_missing()

@@ -8,7 +8,7 @@ faster (what inductor's weight freezing does; measured in bench/results, decode-
 * bf16: ``onednn-prepacked`` where the probe found oneDNN bf16 prepacking works (AVX-512 / AMX), ``aten-bf16``
   (plain ``F.linear``) or ``fp32-upcast`` (fp32 GEMM on an fp32 copy of the weight); where prepacking is
   missing the others are labelled as a fallback. For decode-sized products (up to ``EXACT_ROWS`` rows)
-  ``bf16gemv``, quantspec's own AVX-512 kernel (``runtime/cpu_ops.py``), goes first where it runs, is right
+  ``bf16gemv``, quantspec's own AVX-512 / AVX2 kernel (``runtime/cpu_ops.py``), goes first where it runs, is right
   and streams one row faster than the kernel it displaces (``gemv_missing`` says why not otherwise), and runs wider
   products too where it also multiplies 128 rows faster (``gemv_wide``: where bf16 is emulated); compiled
   steps call it too, as an extern kernel on the same packed weight, so their verification rows are the one-token
