@@ -55,8 +55,8 @@ _LOADED: list[Path] = []  # the build this process loaded (one a process: the op
 @functools.cache
 def _build(where: Path) -> str | None:
     """Build and load the ops in ``where`` once per process; why they cannot be used, or None."""
-    if _LOADED:
-        return None if _LOADED[0] == where else f"this process loaded another build of them ({_LOADED[0].name})"
+    if _LOADED:  # the same build (source, flags, torch) may sit under another home
+        return None if _LOADED[0].name == where.name else f"this process loaded another build of them ({_LOADED[0].name})"
     from torch.utils import cpp_extension
 
     where.mkdir(parents=True, exist_ok=True)

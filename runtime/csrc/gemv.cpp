@@ -1,7 +1,7 @@
 // bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16, on AVX-512 without
 // it, where vdpbf16ps and vcvtneps2bf16 are spelled in AVX-512F/BW instructions (``dpbf16``, ``to_bf16``; built
-// without -mavx512bf16), or on AVX2 + FMA, where the same arithmetic runs on two 8-lane halves (built without
-// -mavx512f). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
+// without -mavx512bf16), or on AVX2 + FMA (built without -mavx512f): bf16 in the same arithmetic on two 8-lane
+// halves, int4 / int8 codes widened to fp32 and multiplied in one FMA each (the same layouts). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
 //
 // bf16_gemv: plain bf16 weights. Layout: per block of 16 rows and per pair of columns (k, k+1), 64 bytes: bf16
 // 2i + e = w[row i, k + e], so one load is a vector of 16 (k, k+1) pairs and one vdpbf16ps consumes it.
@@ -42,6 +42,8 @@ using VF = __m512;
 using VI = __m512i;
 constexpr int kMaxRows = 8;   // input rows per tile: a verification of up to 8 tokens unpacks each weight once
 constexpr int kMaxRows8 = 6;  // int8's: four accumulators a row, in 32 vector registers
+constexpr int kMaxRows4 = kMaxRows;
+constexpr bool kFloatX = false;  // the int tiles read x as bf16
 
 inline VF zero() { return zero(); }
 inline VF set1(float v) { return set1(v); }
@@ -92,12 +94,15 @@ inline void nibbles(const uint8_t* piece, VI& lo, VI& hi) {
   hi = _mm512_or_si512(_mm512_srli_epi16(u, 4), bias);
 }
 #else
-// AVX2 + FMA: the same arithmetic on pairs of 8-lane halves (rows 0-7, rows 8-15), so the kernels below and the
-// packed layouts are one for both ISAs. 16 vector registers: fewer input rows share a pass over a block.
+// AVX2 + FMA: the same vectors as pairs of 8-lane halves (rows 0-7, rows 8-15), so the packed layouts and the bf16
+// kernel are one for both ISAs; the int tiles widen codes to fp32 instead (fewer instructions than emulated
+// vdpbf16ps). 16 vector registers: fewer input rows share a pass over a block.
 struct VF { __m256 a, b; };
 struct VI { __m256i a, b; };
 constexpr int kMaxRows = 2;
 constexpr int kMaxRows8 = 1;
+constexpr int kMaxRows4 = 1;
+constexpr bool kFloatX = true;  // the int tiles read x in fp32
 
 inline VF zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline VF set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
@@ -171,7 +176,7 @@ inline void store(at::BFloat16* y, VF v) {
 
 struct Args {
   const at::BFloat16* x;  // [M, K]
-  const float* xf;        // [M, K] x in fp32 (AVX2's int8 tile only)
+  const float* xf;        // [M, K] x in fp32 (AVX2's int tiles only)
   const float* sumx;      // [M, groups]: each row's input summed per group, in one fixed order
   const uint8_t* w;       // packed weight
   const at::BFloat16* scales;  // int8: [N]
@@ -179,6 +184,7 @@ struct Args {
   int64_t K, N, groups, group_size, block_bytes;
 };
 
+#ifdef __AVX512F__
 // int4: rows [m0, m0 + R) of x times block b of the packed weight.
 template <int R>
 void tile4(const Args& a, int64_t m0, int64_t b) {
@@ -212,10 +218,51 @@ void tile4(const Args& a, int64_t m0, int64_t b) {
   }
   for (int r = 0; r < R; ++r) store(a.y + (m0 + r) * a.N + b * kRows, acc[r]);
 }
+#else
+// int4 on AVX2, as int8's tile: codes widened to exact fp32, one FMA each, eight accumulators (half, code of the
+// lane's 16 bits); per group sum_k w_k x_k = s * sum_k u_k x_k + (t - 8 s) * sum x. One row a pass.
+template <int R>
+void tile4(const Args& a, int64_t m0, int64_t b) {
+  static_assert(R == 1, "one row a pass: the accumulators fill the 16 registers");
+  const int64_t chunks = a.group_size / 32, group_bytes = 64 + chunks * 256;
+  const float* x = a.xf + m0 * a.K;
+  const uint8_t* block = a.w + b * a.block_bytes;
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  VF acc = zero();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* head = block + g * group_bytes;
+    __m256 t[2][4];
+    for (auto& half : t)
+      for (auto& v : half) v = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 4
+      for (int p = 0; p < 8; ++p) {
+        // lane i's 16 bits: codes at k (bits 0-3), k + 2, k + 1, k + 3 (bytes 2i and 2i + 1 of the piece)
+        const float* xk = x + g * a.group_size + c * 32 + 4 * p;
+        const __m256 x0 = _mm256_broadcast_ss(xk), x2 = _mm256_broadcast_ss(xk + 2);
+        const __m256 x1 = _mm256_broadcast_ss(xk + 1), x3 = _mm256_broadcast_ss(xk + 3);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_cvtepu16_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 64 + (c * 8 + p) * 32 + 16 * h)));
+          t[h][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), x0, t[h][0]);
+          t[h][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), nibble)), x2, t[h][1]);
+          t[h][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble)), x1, t[h][2]);
+          t[h][3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12)), x3, t[h][3]);
+        }
+      }
+    }
+    VF sum;
+    sum.a = _mm256_add_ps(_mm256_add_ps(t[0][0], t[0][1]), _mm256_add_ps(t[0][2], t[0][3]));
+    sum.b = _mm256_add_ps(_mm256_add_ps(t[1][0], t[1][1]), _mm256_add_ps(t[1][2], t[1][3]));
+    VF s = bf16_to_fp32(head), offset = fma(set1(-8.0f), s, bf16_to_fp32(head + 32));
+    acc = fma(sum, s, acc);
+    acc = fma(offset, set1(a.sumx[m0 * a.groups + g]), acc);
+  }
+  store(a.y + m0 * a.N + b * kRows, acc);
+}
+#endif
 
 #ifdef __AVX512F__
-constexpr bool kFloatX = false;
-
 // int8: the same over per-channel int8 weights (one group: the whole row). Four accumulators per row (column pairs
 // k = 0, 4, 8, ... and k = 2, 6, 10, ..., low and high nibbles): with two, one row waited on vdpbf16ps's latency
 // (one row took 1.07-1.22x as long on the default model's shapes, AMD EPYC Genoa); so at most six rows share a pass.
@@ -250,7 +297,6 @@ void tile8(const Args& a, int64_t m0, int64_t b) {
 // int8 on AVX2: a code u = w + 128 widens to an exact fp32 and meets its input in one FMA, fewer instructions than
 // its two nibbles in emulated vdpbf16ps; sum_k w_k x_k = s * (sum_k u_k x_k - 128 sum x). One row a pass: eight
 // accumulators (half, k mod 4), so no FMA waits on the one before it.
-constexpr bool kFloatX = true;
 
 template <int R>
 void tile8(const Args& a, int64_t m0, int64_t b) {
@@ -331,7 +377,7 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& packed, const at::BFloa
     for (int64_t k = 0; k < group_size; k += 16) s = add(s, bf16_to_fp32(xp + i * group_size + k));
     sumx[i] = hsum(s);
   }
-  std::vector<float> xf(kFloatX && scales ? M * K : 0);  // AVX2's int8 tile reads x in fp32
+  std::vector<float> xf(kFloatX && group_sums ? M * K : 0);  // AVX2's int tiles read x in fp32
   for (int64_t i = 0; i < static_cast<int64_t>(xf.size()); ++i) xf[i] = static_cast<float>(xp[i]);
   const Args a{xp, xf.data(), sumx.data(), packed.data_ptr<uint8_t>(), scales, y.data_ptr<at::BFloat16>(),
                K, out_features, K / group_size, group_size, block_bytes};
@@ -351,7 +397,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t out_
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, int64_t out_features) {
   TORCH_CHECK(group_size % 32 == 0, "int4_gemv: group_size % 32");
   const int64_t groups = x.size(1) / group_size, block_bytes = groups * (64 + group_size * 8);
-  return run<Int4>(x, packed, nullptr, group_size, out_features, block_bytes);
+  return run<Int4, kMaxRows4>(x, packed, nullptr, group_size, out_features, block_bytes);
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
