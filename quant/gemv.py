@@ -1,6 +1,6 @@
 """``int4gemv`` and ``int8gemv``: quantspec's own C++ kernels (``runtime/csrc/gemv.cpp``) for decode-sized
 products of int4 / int8 weights and bf16 inputs on AVX-512 (``vdpbf16ps`` with AVX512-BF16, two FMAs without) or
-AVX2 (two FMAs on each 8-lane half).
+AVX2 (each code widened to fp32 and multiplied in one FMA).
 
 torch's ``_weight_int4pack_mm_for_cpu`` streams the default model's int4 body at about 12 GB/s at one row on an
 AMD EPYC (AVX-512), a third of the machine's read bandwidth: each code is widened and converted to fp32 before

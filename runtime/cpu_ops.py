@@ -1,8 +1,9 @@
 """quantspec's own C++ ops (``runtime/csrc/gemv.cpp``): ``quantspec::bf16_gemv``, ``int4_gemv`` and ``int8_gemv``,
 decode-sized products of bf16 / int4 / int8 weights and bf16 inputs on AVX-512 or AVX2, each output row run by the
 same instructions whatever the number of rows beside it (bitwise row-invariant, as exact speculation needs). With
-AVX512-BF16 they multiply with ``vdpbf16ps``; without it (Intel Ice Lake) the same arithmetic runs as two FMAs, and
-on AVX2 + FMA (AMD EPYC without AVX-512, or ``QUANTSPEC_CPU_FEATURES=avx2``) as two FMAs on two 8-lane halves.
+AVX512-BF16 they multiply with ``vdpbf16ps``; without it (Intel Ice Lake) the same arithmetic runs as two FMAs. On
+AVX2 + FMA (AMD EPYC without AVX-512, or ``QUANTSPEC_CPU_FEATURES=avx2``) bf16 runs those two FMAs on two 8-lane
+halves, and int4 / int8 codes are widened to fp32 and multiplied in one FMA each.
 Whether they beat torch's kernel is measured per machine (``packed_linear.gemv_missing``, ``quant.gemv``).
 
 They are built with torch's C++ extension loader (ninja and the C++ compiler; seconds, once per machine and torch
@@ -39,8 +40,9 @@ def isa() -> str | None:
 
 
 def cflags() -> list[str]:
-    bf16 = isa() == "avx512" and cpu_flag("avx512_bf16")
-    return CFLAGS + ISA_CFLAGS.get(isa(), []) + (BF16_CFLAGS if bf16 else [])
+    which = isa()
+    bf16 = which == "avx512" and cpu_flag("avx512_bf16")
+    return CFLAGS + ISA_CFLAGS.get(which, []) + (BF16_CFLAGS if bf16 else [])
 
 
 def build_dir() -> Path:
@@ -56,7 +58,8 @@ _LOADED: list[Path] = []  # the build this process loaded (one a process: the op
 def _build(where: Path) -> str | None:
     """Build and load the ops in ``where`` once per process; why they cannot be used, or None."""
     if _LOADED:  # the same build (source, flags, torch) may sit under another home
-        return None if _LOADED[0].name == where.name else f"this process loaded another build of them ({_LOADED[0].name})"
+        loaded = _LOADED[0].name
+        return None if loaded == where.name else f"this process loaded another build of them ({loaded})"
     from torch.utils import cpp_extension
 
     where.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 // bf16, int4 and int8 weight x bf16 input products for decode-sized inputs, on AVX512-BF16, on AVX-512 without
 // it, where vdpbf16ps and vcvtneps2bf16 are spelled in AVX-512F/BW instructions (``dpbf16``, ``to_bf16``; built
 // without -mavx512bf16), or on AVX2 + FMA (built without -mavx512f): bf16 in the same arithmetic on two 8-lane
-// halves, int4 / int8 codes widened to fp32 and multiplied in one FMA each (the same layouts). runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
+// halves, int4 / int8 codes widened to fp32 and multiplied in one FMA each (the same layouts).
+// runtime/cpu_ops.py builds them; runtime/packed_linear.py and quant/gemv.py pack weights.
 //
 // bf16_gemv: plain bf16 weights. Layout: per block of 16 rows and per pair of columns (k, k+1), 64 bytes: bf16
 // 2i + e = w[row i, k + e], so one load is a vector of 16 (k, k+1) pairs and one vdpbf16ps consumes it.
@@ -45,11 +46,11 @@ constexpr int kMaxRows8 = 6;  // int8's: four accumulators a row, in 32 vector r
 constexpr int kMaxRows4 = kMaxRows;
 constexpr bool kFloatX = false;  // the int tiles read x as bf16
 
-inline VF zero() { return zero(); }
-inline VF set1(float v) { return set1(v); }
-inline VF fma(VF a, VF b, VF c) { return fma(a, b, c); }
-inline VF add(VF a, VF b) { return add(a, b); }
-inline VF mul(VF a, VF b) { return mul(a, b); }
+inline VF zero() { return _mm512_setzero_ps(); }
+inline VF set1(float v) { return _mm512_set1_ps(v); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF add(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline float hsum(VF v) { return _mm512_reduce_add_ps(v); }
 inline VI load(const void* p) { return _mm512_loadu_si512(p); }
 inline VI set1_32(int32_t v) { return _mm512_set1_epi32(v); }
@@ -70,9 +71,9 @@ inline __m256i to_bf16(VF v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 // top half of an fp32, and a product of two is exact in fp32).
 inline VF dpbf16(VF acc, VI a, VI b) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  acc = fma(_mm512_castsi512_ps(_mm512_and_si512(a, top)),
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, top)),
                         _mm512_castsi512_ps(_mm512_and_si512(b, top)), acc);
-  return fma(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
                          _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
 }
 
@@ -153,15 +154,6 @@ inline __m256i to_bf16(VF v) {  // 16 lanes -> 16 bf16 in row order
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(round_half(v.a), round_half(v.b)), 0xD8);
 }
 
-inline void nibbles(const uint8_t* piece, VI& lo, VI& hi) {
-  const __m256i mask = _mm256_set1_epi16(0x000F), bias = _mm256_set1_epi16(0x4300);
-  const __m128i* p = reinterpret_cast<const __m128i*>(piece);
-  for (int h = 0; h < 2; ++h) {
-    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(p + h));
-    (h ? lo.b : lo.a) = _mm256_or_si256(_mm256_and_si256(u, mask), bias);
-    (h ? hi.b : hi.a) = _mm256_or_si256(_mm256_srli_epi16(u, 4), bias);
-  }
-}
 #endif
 
 inline VI pair(const at::BFloat16* x) {  // (x[k], x[k+1]) in every lane
