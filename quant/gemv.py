@@ -17,6 +17,8 @@ the same alone as in a batch by construction: every row runs the same instructio
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from quant.qlinear import FAST_DTYPE, KERNELS, Int4PackKernel, Int8PackKernel, Kernel, register_kernel, select_kernel
@@ -161,14 +163,17 @@ def streamed(kernel_cls: type[Kernel], scheme: str, n: int, k: int, stream_mb: i
     return hardware.streamed(lambda seed: kernel_cls(*_example(scheme, n, k, seed)), n, k, stream_mb=stream_mb)
 
 
-@hardware.cached_per_thread_count
 def gemv_missing(name: str) -> str | None:
     """Why kernel ``name`` is not used here (neither AVX2 nor AVX-512, a failed build, a wrong
     product, or slower than the torch kernel on one row beyond ``hardware.TIE``), or None."""
+    return ops_missing() or _verdict(name, build_dir())
+
+
+@hardware.cached_per_thread_count
+def _verdict(name: str, build: Path) -> str | None:
+    """``name``'s product checked and its one-row speed against the torch kernel, once per build of the ops (a
+    process that forces another instruction set asks again rather than reading the other build's verdict)."""
     cls: type[GemvKernel] = KERNELS[name]
-    why = ops_missing()
-    if why:
-        return why
     args = _example(cls.probe_scheme, 32, 128)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(FAST_DTYPE)
     got, want = cls(*args)(x).float(), cls.replaces(*args)(x).float()

@@ -25,9 +25,10 @@ from runtime.hardware import cpu_flag, probe, quantspec_home
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
-ISA_CFLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl"], "avx2": ["-mavx2", "-mfma"]}
-BF16_CFLAGS = ["-mavx512bf16"]  # vdpbf16ps where the CPU has it
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-Werror=infinite-recursion"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+VARIANTS = {"avx512-bf16": _AVX512 + ["-mavx512bf16"],  # vdpbf16ps where the CPU has it
+            "avx512": _AVX512, "avx2": ["-mavx2", "-mfma"]}  # the source's three builds, by instruction set
 ROWS = 16  # output rows per block of the packed layouts
 
 
@@ -39,10 +40,14 @@ def isa() -> str | None:
     return "avx2" if cpu_flag("avx2") else None
 
 
-def cflags() -> list[str]:
+def variant() -> str | None:
+    """Which of ``VARIANTS`` this machine builds (None: none can run here)."""
     which = isa()
-    bf16 = which == "avx512" and cpu_flag("avx512_bf16")
-    return CFLAGS + ISA_CFLAGS.get(which, []) + (BF16_CFLAGS if bf16 else [])
+    return "avx512-bf16" if which == "avx512" and cpu_flag("avx512_bf16") else which
+
+
+def cflags() -> list[str]:
+    return CFLAGS + VARIANTS.get(variant(), [])
 
 
 def build_dir() -> Path:

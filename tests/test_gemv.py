@@ -2,12 +2,14 @@
 (same weights, same export), give the dequantized product, the bf16 one the plain product; a row's output does not
 depend on the rows beside it; bf16 layers run ``bf16gemv`` for decode rows, eager and compiled; every kernel is left
 out with the reason where it cannot run."""
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import quant.gemv
 from quant.gemv import Int4GemvKernel, Int8GemvKernel, _example, cpu_kernel, gemv_missing, pack4, unpack4
 from quant.qlinear import select_kernel
 from quant.qmath import dequantize
@@ -150,7 +152,6 @@ def test_built_for_avx2_under_the_override_and_left_out_on_a_cpu_without_avx2(mo
 
     monkeypatch.setenv(hardware.OVERRIDE_ENV, "avx2")
     hardware.probe.cache_clear()
-    gemv_missing.cache_clear()
     try:
         assert cpu_ops.isa() == "avx2" and "-mavx2" in cpu_ops.cflags()
         assert not any("avx512" in flag for flag in cpu_ops.cflags())
@@ -166,7 +167,24 @@ def test_built_for_avx2_under_the_override_and_left_out_on_a_cpu_without_avx2(mo
     finally:
         monkeypatch.undo()
         hardware.probe.cache_clear()
-        gemv_missing.cache_clear()
+
+
+@RUNS
+def test_a_verdict_reached_under_another_build_is_not_kept_for_this_one(monkeypatch):
+    """A process that forced another instruction set (``make test-avx2``'s override, in a worker that loaded this
+    build) is told "another build loaded" for that build only; back on this one, the kernel's own verdict holds.
+    Negative control: the verdict cached by kernel name, as it once was, keeps the other build's answer."""
+    from runtime import cpu_ops
+
+    here = gemv_missing("int8gemv")
+    by_name = functools.cache(gemv_missing)
+    other = cpu_ops.build_dir().with_name("gemv-another-build")
+    for module in (cpu_ops, quant.gemv):
+        monkeypatch.setattr(module, "build_dir", lambda: other)
+    assert "another build" in gemv_missing("int8gemv") and "another build" in by_name("int8gemv")
+    monkeypatch.undo()
+    assert gemv_missing("int8gemv") == here
+    assert "another build" in by_name("int8gemv")  # the hazard
 
 
 @RUNS
@@ -212,7 +230,6 @@ def test_the_speed_verdicts_follow_the_thread_count(monkeypatch):
     suite's one-thread modules) gets the one-thread verdict (on an AMX Xeon bf16gemv lost to oneDNN on two threads:
     a step built on one thread was frozen for it). Negative control: the verdict cached once per process, as it was,
     keeps the first."""
-    import functools
 
     from runtime import hardware
 
@@ -226,7 +243,7 @@ def test_the_speed_verdicts_follow_the_thread_count(monkeypatch):
     once = functools.cache(packed_linear._gemv_verdict.__wrapped__)
     threads = torch.get_num_threads()
     packed_linear._gemv_verdict.cache_clear()
-    gemv_missing.cache_clear()
+    quant.gemv._verdict.cache_clear()
     try:
         answers = []
         for n in (2, 1):
@@ -235,7 +252,7 @@ def test_the_speed_verdicts_follow_the_thread_count(monkeypatch):
     finally:
         torch.set_num_threads(threads)
         packed_linear._gemv_verdict.cache_clear()
-        gemv_missing.cache_clear()
+        quant.gemv._verdict.cache_clear()
     assert all("slower than" in why for why in answers[0].values())
     assert answers[1]["bf16gemv"] is None and answers[1]["int8gemv"] is None
     assert answers[1]["once"] == answers[0]["once"]  # negative control

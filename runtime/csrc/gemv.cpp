@@ -23,7 +23,8 @@
 //
 // Every output row runs the same instruction sequence whatever the number of rows processed beside it, so a
 // row's result is bitwise the same alone as in a batch (speculative verification relies on that).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
