@@ -61,11 +61,12 @@ pg:
 	  else echo "make pg: needs root (sudo make pg); the postgres tests skip without a server"; fi; }
 
 # llama.cpp for bench/llamacpp.py only, outside setup: pip builds llama-cpp-python from its sdist with the host's
-# flags (278 s on a 2-core EPYC Genoa; the time is printed). Bench it quiet: the build loads both cores.
+# flags (278 s on a 2-core EPYC Genoa; the time is printed), never through pip's wheel cache (a wheel built for
+# one CPU's flags would be reused on another that lacks them). Bench it quiet: the build loads both cores.
 LLAMACPP_PKG := llama-cpp-python==0.3.36
 llamacpp: setup
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { start=$$(date +%s); \
-	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -q "$(LLAMACPP_PKG)" && \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -q --no-cache-dir "$(LLAMACPP_PKG)" && \
 	  echo "built $(LLAMACPP_PKG) in $$(( $$(date +%s) - start )) s"; }
 
 clean:

@@ -28,10 +28,14 @@ from runtime.model_store import SMOLLM2, resolve_model, weights_hash
 from runtime.argtypes import positive_int
 
 CONFIGS = [("bf16", None), ("int8 W8A16", "W8A16"), ("int4 g32", "w4g32-sym")]
-# by event name: ATen/mkldnn matmuls, inductor's GEMM templates (graph_N_gemm_m1n..k.._kernel) and its weight-only
-# int8 template (profiled as plain graph_N_kernel); the rest is "other"
-GROUPS = {"weight matmuls": re.compile(r"mm|linear|gemm|gemv|woq|^graph_\d+_kernel$", re.I),
-          "attention": re.compile(r"attention|sdpa", re.I), "dynamo guard check": re.compile(r"cache lookup", re.I)}
+# by event name: ATen/mkldnn matmuls, quantspec's GEMV ops, inductor's GEMM templates (graph_N_gemm_m1n..k.._kernel)
+# and its weight-only int8 template (profiled as plain graph_N_kernel). Inductor's fused element-wise / reduction
+# kernels (cpp_fused_<the nodes around them>) are never matmuls, even when named after one ("..._int4_gemv_..."):
+# the one with the softmax is the compiled step's attention; the rest is "other"
+FUSED = r"(graph_\d+_)?cpp_fused"
+GROUPS = {"weight matmuls": re.compile(rf"^(?!{FUSED}).*(mm|linear|gemm|gemv|woq)|^graph_\d+_kernel$", re.I),
+          "attention": re.compile(r"attention|sdpa|softmax", re.I),
+          "dynamo guard check": re.compile(r"cache lookup", re.I)}
 PROFILE_KERNELS = {"cpp.enable_kernel_profile": True}  # generated kernels record profiler events by name
 
 

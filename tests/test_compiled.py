@@ -640,6 +640,9 @@ def test_step_profile_record_on_the_tiny_model(tiny_llama_dir, one_thread):
     assert bench.group_of("graph_1_kernel") == bench.group_of("aten::_weight_int4pack_mm_for_cpu") == bench.group_of(
         "quantspec::int4_gemv") == "weight matmuls"
     assert bench.group_of("graph_0_cpp_fused_add_mul_0") == "other"  # negative control: fused element-wise
+    # fused kernels named after the GEMV beside them: the attention (softmax) and an element-wise one, not matmuls
+    assert bench.group_of("cpp_fused__to_copy_add_bf16_gemv_masked_fill_softmax_sum_2") == "attention"
+    assert bench.group_of("cpp_fused_embedding_int4_gemv_mul_silu_4") == "other"
     assert rows["int4 g32"]["layer_weight_bytes"] < rows["int8 W8A16"]["layer_weight_bytes"] < rows["bf16"]["layer_weight_bytes"]
 
 
