@@ -52,8 +52,13 @@ def cflags() -> list[str]:
 
 def build_dir() -> Path:
     """Where this source, these flags and this torch build the ops (a change to any of them builds anew)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags()).encode() + torch.__version__.encode())
-    return quantspec_home() / "extensions" / f"gemv-{key.hexdigest()[:12]}"
+    return quantspec_home() / "extensions" / f"gemv-{_build_key(tuple(cflags()))}"
+
+
+@functools.cache
+def _build_key(flags: tuple[str, ...]) -> str:
+    """The source hashed once per process and flag set: the kernel verdicts ask for the build on every layer."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
 
 
 _LOADED: list[Path] = []  # the build this process loaded (one a process: the ops' names are global)
