@@ -78,6 +78,29 @@ def test_mse_observers_in_place_int8_error_is_the_codes_error_bitwise():
     assert not torch.equal(unclamped, codes_error)
 
 
+def test_sampling_observer_keeps_a_uniform_sample_of_the_whole_stream(monkeypatch):
+    """Eight batches of 500 values (batch i all equal to i) through an observer keeping about 1000: each batch is
+    about an eighth of the sample (binomial sd about 10 of 125). Negative control: the former merge, which
+    subsampled the union of the kept sample and each new batch, keeps the last batch at a third."""
+    import quant.actquant
+
+    monkeypatch.setattr(quant.actquant, "MAX_SAMPLES", 1000)
+    batches = [torch.full((500, 1), float(i)) for i in range(8)]
+    observer = make_observer("percentile")
+    for batch in batches:
+        observer.observe(batch)
+    assert 900 < len(observer.sample) < 1100 and observer.sample.shape[1] == 1
+    share = torch.bincount(observer.sample.flatten().long(), minlength=8)
+    assert ((share - 125).abs() < 40).all(), share
+
+    gen, kept = torch.Generator().manual_seed(0), torch.empty(0, 1)
+    for batch in batches:
+        kept = torch.cat([kept, batch])
+        kept = kept[torch.randperm(len(kept), generator=gen)[:1000]]
+    merged = torch.bincount(kept.flatten().long(), minlength=8)
+    assert not ((merged - 125).abs() < 40).all() and merged[7] > 300, merged
+
+
 def test_observer_refusals():
     with pytest.raises(UserError, match="zero calibration samples"):
         make_observer("minmax").range()

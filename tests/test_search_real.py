@@ -81,35 +81,42 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
 
 
 @pytest.mark.postgres
-def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url):
+def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url, monkeypatch):
     """The demo space on the default model: two workers on PostgreSQL measure each transformation's quality once
-    between them, and agree with a single SQLite worker on each transformation's accuracy, flips and verdict (a
-    floor 20 items decide; at 0.9 every verdict read "undecidable", so agreeing on it said nothing)."""
+    between them, and each stored quality (accuracy, flips, verdict at a floor 20 items decide; at 0.9 every
+    verdict read "undecidable", so agreeing on it said nothing) equals the same evaluator's measurement of that
+    transformation alone, in this process. Each side has its own eval cache, so neither reads the other's scores.
+    (Before, a third worker ran the whole search on SQLite beside them for this, with one eval cache for all.)"""
+    from studies.objective import QualityResult
+    from studies.search import QUALITY_ATTR, study_quality_key
+    from studies.space import load_space
     from test_search import load, measurements, start_workers, wait_ok
 
-    sqlite_url, log = f"sqlite:///{tmp_path}/one.db", tmp_path / "measured.jsonl"
-    demo = ("--evaluator", "real", "--space", "demo", "--floor", "0.5", "--limit", "20", "--num-prompts", "1",
-            "--output-len", "8", "--length-tokens", "16", "--length-prompts", "1", "--threads", "1", "--n-trials", "4",
-            "--noise-threshold", str(FEW_ROUNDS.threshold))
-    env = {"HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "measured.jsonl"
+    demo = ("search", "--evaluator", "real", "--space", "demo", "--floor", "0.5", "--limit", "20", "--num-prompts",
+            "1", "--output-len", "8", "--length-tokens", "16", "--length-prompts", "1", "--threads", "1",
+            "--n-trials", "4", "--noise-threshold", str(FEW_ROUNDS.threshold))
+    env = {"HF_HUB_OFFLINE": "1", "QUALITY_LOG": str(log), "QUANTSPEC_EVAL_CACHE": str(tmp_path / "workers-cache")}
     hang_guard_s = 1200  # not a speed target: on a 2-core AVX2-only CPU (bf16 emulated) one worker took 570 s
-    # the single SQLite worker runs beside the two PostgreSQL workers (run first, it left a core idle)
-    one_worker = start_workers(tmp_path, ("search", *demo), sqlite_url, 1, env=env)
-    two_workers = start_workers(tmp_path, ("search", *demo), pg_url, 2, env={**env, "QUALITY_LOG": str(log)})
-    wait_ok(one_worker + two_workers, timeout_s=hang_guard_s)
-    two = load(pg_url)
-    assert len({t.user_attrs["worker"]["pid"] for t in two.trials}) == 2  # both workers ran trials
-    stored = sorted(k.split("/", 1)[1] for k in two.user_attrs if k.startswith("quality/"))
-    assert measurements(log, "quality") == stored  # each transformation measured once between the two workers
+    wait_ok(start_workers(tmp_path, demo, pg_url, 2, env=env), timeout_s=hang_guard_s)
+    study = load(pg_url)
+    assert len({t.user_attrs["worker"]["pid"] for t in study.trials}) == 2  # both workers ran trials
+    stored = {k[len(QUALITY_ATTR):]: QualityResult.from_dict(v) for k, v in study.user_attrs.items()
+              if k.startswith(QUALITY_ATTR)}
+    assert measurements(log, "quality") == sorted(stored)  # each transformation measured once between the two
+    configs = {study_quality_key(c): c.transformation
+               for c in (Config(**t.user_attrs["config"]) for t in study.trials if "config" in t.user_attrs)}
+    assert study_quality_key(Config(model="default")) in stored and stored.keys() <= configs.keys()
 
-    def verdicts(study) -> dict[str, tuple]:
-        return {Config(**r.config).quality_key: (r.accuracy, r.flips, r.feasible) for r in summarize(study).measured}
+    monkeypatch.setenv("QUANTSPEC_EVAL_CACHE", str(tmp_path / "alone-cache"))
+    alone = get_evaluator("real", limit=20, threads=1, fidelity_windows=0)  # no verdict reads the KL
+    alone.prepare(load_space("demo"), "0.5")
 
-    one, both = verdicts(load(sqlite_url)), verdicts(two)
-    common = one.keys() & both.keys()
-    assert Config(model="default").quality_key in common  # the reference is trial 0 of both
-    assert {k: one[k] for k in common} == {k: both[k] for k in common}
-    assert all(verdict is not None for _, _, verdict in both.values())
+    def verdict(q: QualityResult) -> tuple:
+        return q.accuracy, q.flips, q.passes, q.decidable
+
+    assert {k: verdict(q) for k, q in stored.items()} == {k: verdict(alone.quality(configs[k])) for k in stored}
+    assert all(q.decidable for q in stored.values())
 
 
 def test_the_demos_length_gate_reads_no_span_its_timed_runs_do_not(default_model_dir, data_dir):
