@@ -81,7 +81,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
 
 
 @pytest.mark.postgres
-def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url, monkeypatch):
+def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url, monkeypatch, one_thread):
     """The demo space on the default model: two workers on PostgreSQL measure each transformation's quality once
     between them, and each stored quality (accuracy, flips, verdict at a floor 20 items decide; at 0.9 every
     verdict read "undecidable", so agreeing on it said nothing) equals the same evaluator's measurement of that
@@ -110,6 +110,7 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url, 
 
     monkeypatch.setenv("QUANTSPEC_EVAL_CACHE", str(tmp_path / "alone-cache"))
     alone = get_evaluator("real", limit=20, threads=1, fidelity_windows=0)  # no verdict reads the KL
+    # (its prepare sets the workers' one torch thread in this process: one_thread restores the count)
     alone.prepare(load_space("demo"), "0.5")
 
     def verdict(q: QualityResult) -> tuple:
