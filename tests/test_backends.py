@@ -191,6 +191,38 @@ def test_port_in_use_is_refused_before_starting():
     assert server.proc is None  # nothing was spawned
 
 
+# a stand-in for `vllm serve`: answers /health on the port it is given
+FAKE_SERVE = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+print("fake server up", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("dies", [False, True])
+def test_server_log_is_removed_on_a_clean_stop_and_kept_where_it_died(monkeypatch, dies):
+    """A clean stop leaves nothing in the temp dir; a server that exits on its own keeps its log, named in the
+    error (control: the same start with the stand-in exiting before it answers)."""
+    from serving.backends import vllm_server
+
+    code = "print('no engine: out of memory', flush=True); raise SystemExit(1)" if dies else FAKE_SERVE
+    monkeypatch.setattr(vllm_server, "serve_args", lambda _kwargs, port: [sys.executable, "-c", code, str(port)])
+    server = vllm_server.VllmServer({"model": "unused"})
+    if dies:
+        with pytest.raises(UserError, match="out of memory") as exc:
+            server.start()
+        assert f"(log: {server.log_path})" in str(exc.value) and server.log_path.exists() and "out of memory" in server.log_path.read_text()
+        server.log_path.unlink()
+        return
+    server.start()
+    assert server.alive() and "fake server up" in server.log_tail()
+    server.stop()
+    assert not server.log_path.exists()
+
+
 def _stream_with(chunks: list[dict]):
     """One request through VllmServer._stream against a fake /v1/completions streaming ``chunks``."""
     import asyncio

@@ -114,14 +114,15 @@ class VllmServer:
             if self.proc.poll() is not None:
                 tail = self.log_tail(1)
                 self.stop()
-                raise UserError(f"vLLM server failed to start (exit {self.proc.returncode}): {tail}")
+                raise UserError(f"vLLM server failed to start (exit {self.proc.returncode}): {tail} "
+                                f"(log: {self.log_path})")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
+        self.stop(keep_log=True)
         raise UserError(f"vLLM server did not become healthy within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
 
     def log_tail(self, lines: int = 20) -> str:
@@ -133,10 +134,12 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        """Terminate the server's whole process group: SIGTERM, up to 20 s for a clean exit, then SIGKILL."""
+    def stop(self, keep_log: bool = False) -> None:
+        """Terminate the server's whole process group: SIGTERM, up to 20 s for a clean exit, then SIGKILL. Its log
+        is removed when it was still running (a clean stop), kept where it died on its own (errors name it)."""
         if self.proc is None:
             return
+        keep_log = keep_log or not self.alive()
         group = self.proc.pid
         _signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -146,6 +149,8 @@ class VllmServer:
         _signal_group(group, signal.SIGKILL)
         self.proc.wait()
         atexit.unregister(self.stop)
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -159,7 +164,8 @@ class VllmServer:
                 self.proc.wait(timeout=5)
         if not self.alive():
             raise EngineFailure(f"vLLM server died mid-run (exit {self.proc.returncode}); "
-                                f"{sum(not r.ok for r in results)} of {len(results)} requests failed", self.log_tail())
+                                f"{sum(not r.ok for r in results)} of {len(results)} requests failed "
+                                f"(log: {self.log_path})", self.log_tail())
         return results
 
     async def _open_loop(self, requests, offsets, temperature, progress):
