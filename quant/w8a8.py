@@ -9,6 +9,7 @@ input-scale calibration (observer by name), any weight method.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -53,14 +54,14 @@ def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
     if probe().forced:
         return {cls: "fp32-exact" for cls in SHAPE_CLASSES}
     n, k = shape
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    chunks = fp32_chunks(w)
+    w = functools.cache(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8))  # built only if measured
+    chunks = functools.cache(lambda: fp32_chunks(w()))
 
-    def make(fn):
-        return lambda rows: (lambda x: lambda: fn(x))(torch.randint(-127, 128, (rows, k), dtype=torch.int8))
+    def make(product, weight):
+        return lambda rows: (lambda x, wt: lambda: product(x, wt))(
+            torch.randint(-127, 128, (rows, k), dtype=torch.int8), weight())
 
-    rank = ranked(f"int8xint8/{n}x{k}", {"int_mm": make(lambda x: int8_matmul(x, w)),
-                                         "fp32-exact": make(lambda x: int8_matmul_fp32(x, chunks))})
+    rank = ranked(f"int8xint8/{n}x{k}", {"int_mm": make(int8_matmul, w), "fp32-exact": make(int8_matmul_fp32, chunks)})
     return {cls: order[0] for cls, order in rank.items()}
 
 

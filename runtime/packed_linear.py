@@ -183,8 +183,8 @@ def _by_speed(dtype: torch.dtype, shape: torch.Size) -> dict[str, list[str]]:
     n, k = shape
 
     def timed(make: Callable[[torch.Tensor], Fn]):
-        fn = make(torch.randn(n, k).to(dtype))
-        return lambda rows: (lambda x: lambda: fn(x))(torch.randn(rows, k).to(dtype))
+        fn = functools.cache(lambda: make(torch.randn(n, k).to(dtype)))  # built only if the ranking is measured
+        return lambda rows: (lambda f, x: lambda: f(x))(fn(), torch.randn(rows, k).to(dtype))
 
     names = {name: make for name, make in candidates(dtype).items() if name != GEMV}  # ranked apart (``pack``)
     return ranked(f"dense-{str(dtype).removeprefix('torch.')}/{n}x{k}", {c: timed(m) for c, m in names.items()})

@@ -111,6 +111,47 @@ def test_a_ranking_measured_another_way_is_measured_again(reprobe):
     assert not calls
 
 
+@pytest.mark.parametrize("pick", ["dense-bf16", "int8xint8", "fp8xfp8"])
+def test_a_kernel_pick_read_back_from_the_cache_builds_no_weights(reprobe, pick):
+    """Every dense or quantized layer asks its shape's ranking: measured, it builds random weights to time; read
+    back (every later layer of that shape, every later load), it builds none (on an AVX2 EPYC that was 2.8 s of
+    each bf16 load of the default model). Control: the first ask builds them."""
+    from quant import fp8, w8a8
+    from runtime import packed_linear
+
+    reprobe.delenv(hardware.OVERRIDE_ENV, raising=False)
+    builds = []
+
+    def counted(module, name):
+        real = getattr(module, name)
+        reprobe.setattr(module, name, lambda *a, **kw: builds.append(name) or real(*a, **kw))
+
+    if pick == "dense-bf16":
+        real = packed_linear.candidates(torch.bfloat16)
+        reprobe.setattr(packed_linear, "candidates", lambda dtype: {
+            name: (lambda w, make=make: builds.append(name) or make(w)) for name, make in real.items()
+            if name != packed_linear.GEMV})
+
+        def ask():
+            return packed_linear._by_speed(torch.bfloat16, torch.Size((48, 32)))
+    elif pick == "int8xint8":
+        counted(w8a8, "fp32_chunks")
+
+        def ask():
+            return w8a8.int8_product_pick((48, 32))
+    else:
+        if fp8.scaled_mm_missing():
+            pytest.skip(f"no FP8 ranking here: {fp8.scaled_mm_missing()}")
+        counted(fp8, "quantize_per_token")
+
+        def ask():
+            return fp8.fp8_product_pick((48, 32))
+    first = ask()
+    assert builds, "the first ask measured nothing: this test could not catch the bug"
+    builds.clear()
+    assert ask() == first and not builds
+
+
 def test_unknown_override_is_one_line(monkeypatch):
     monkeypatch.setenv(hardware.OVERRIDE_ENV, "sse9")
     with pytest.raises(UserError, match="avx2"):
