@@ -23,7 +23,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     space = SearchSpace(weights=["none", "w4g32-asym"], methods=["rtn"], proposers=["none", "ngram:min=2,max=4"],
                         k=(2, 2))
-    settings = SearchSettings(space=space, floor="0.9", n_trials=3, study_name="real", create=True,
+    settings = SearchSettings(space=space, floor="0.9", n_trials=2, study_name="real", create=True,
                               study_dir=tmp_path, sampler="random", exact_fraction=1.0)
     spec = Config(weights="w4g32-asym", method="rtn", proposer="ngram:min=2,max=4", k=2)
     open_study(settings).enqueue_trial(SearchSpace.params_of(spec))
@@ -31,6 +31,7 @@ def test_real_search_on_default_model(tmp_path, default_model_dir, monkeypatch):
                               length_prompts=2, length_positions=256, protocol=FEW_ROUNDS)
     study = run_search(settings, evaluator).study
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert sorted(trials) == [0, 1]  # the reference and the enqueued point
     ref, spec_trial = trials[0], trials[1]
     refusal = bf16_speculation_refusal(load_model("default", "bf16", attn_implementation="eager"))
     assert ref.state.name == "COMPLETE" and spec_trial.state.name == ("PRUNED" if refusal else "COMPLETE")
@@ -95,7 +96,7 @@ def test_two_workers_on_postgres_match_one(tmp_path, default_model_dir, pg_url, 
     log = tmp_path / "measured.jsonl"
     demo = ("search", "--evaluator", "real", "--space", "demo", "--floor", "0.5", "--limit", "20", "--num-prompts",
             "1", "--output-len", "8", "--length-tokens", "16", "--length-prompts", "1", "--threads", "1",
-            "--n-trials", "4", "--noise-threshold", str(FEW_ROUNDS.threshold))
+            "--n-trials", "3", "--noise-threshold", str(FEW_ROUNDS.threshold))
     env = {"HF_HUB_OFFLINE": "1", "QUALITY_LOG": str(log), "QUANTSPEC_EVAL_CACHE": str(tmp_path / "workers-cache")}
     hang_guard_s = 1200  # not a speed target: on a 2-core AVX2-only CPU (bf16 emulated) one worker took 570 s
     wait_ok(start_workers(tmp_path, demo, pg_url, 2, env=env), timeout_s=hang_guard_s)
