@@ -70,19 +70,20 @@ def fp8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
     g = torch.Generator().manual_seed(0)
 
     @functools.cache
-    def weight():  # built only if the ranking is measured
+    def products():  # the weight is built only if the ranking is measured
         wq, ws = quantize_per_token(torch.randn(n, k, generator=g), FP8_TOKEN)
-        return wq, ws.reshape(1, -1), wq.float()
+        ws, w_up = ws.reshape(1, -1), wq.float()
+        return {SCALED_MM: lambda xq, xs: fp8_matmul(xq, xs, wq, ws),
+                UPCAST: lambda xq, xs: fp8_matmul_upcast(xq, xs, w_up, ws)}
 
-    def make(fn):
+    def make(name):
         def factory(rows):
-            wq, ws, w_up = weight()
+            fn = products()[name]
             xq, xs = quantize_per_token(torch.randn(rows, k, generator=g), FP8_TOKEN)
-            return lambda: fn(xq, xs, wq, ws, w_up)
+            return lambda: fn(xq, xs)
         return factory
 
-    rank = ranked(f"fp8xfp8/{n}x{k}", {SCALED_MM: make(lambda xq, xs, wq, ws, _: fp8_matmul(xq, xs, wq, ws)),
-                                       UPCAST: make(lambda xq, xs, _, ws, w_up: fp8_matmul_upcast(xq, xs, w_up, ws))})
+    rank = ranked(f"fp8xfp8/{n}x{k}", {name: make(name) for name in (SCALED_MM, UPCAST)})
     return {cls: order[0] for cls, order in rank.items()}
 
 

@@ -54,14 +54,18 @@ def int8_product_pick(shape: tuple[int, int]) -> dict[str, str]:
     if probe().forced:
         return {cls: "fp32-exact" for cls in SHAPE_CLASSES}
     n, k = shape
-    w = functools.cache(lambda: torch.randint(-127, 128, (n, k), dtype=torch.int8))  # built only if measured
-    chunks = functools.cache(lambda: fp32_chunks(w()))
 
-    def make(product, weight):
-        return lambda rows: (lambda x, wt: lambda: product(x, wt))(
-            torch.randint(-127, 128, (rows, k), dtype=torch.int8), weight())
+    @functools.cache
+    def products():  # the weight is built only if the ranking is measured
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        chunks = fp32_chunks(w)
+        return {"int_mm": lambda x: int8_matmul(x, w), "fp32-exact": lambda x: int8_matmul_fp32(x, chunks)}
 
-    rank = ranked(f"int8xint8/{n}x{k}", {"int_mm": make(int8_matmul, w), "fp32-exact": make(int8_matmul_fp32, chunks)})
+    def make(name):
+        return lambda rows: (lambda fn, x: lambda: fn(x))(products()[name],
+                                                          torch.randint(-127, 128, (rows, k), dtype=torch.int8))
+
+    rank = ranked(f"int8xint8/{n}x{k}", {name: make(name) for name in ("int_mm", "fp32-exact")})
     return {cls: order[0] for cls, order in rank.items()}
 
 
