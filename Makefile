@@ -49,7 +49,7 @@ test-avx2: setup model
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) tests -m "not integration and not vllm"
 
-# bench/results/README.md from the JSON in bench/results/ (pure rendering, seconds; no model, no engine).
+# bench/results/*.md (summary + topic pages) from the JSON there (pure rendering, seconds; no model, no engine).
 results: setup
 	$(PY) bench/render_results.py
 

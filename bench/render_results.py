@@ -1,14 +1,15 @@
-"""Render bench/results/README.md from the JSON files in bench/results/ (json, and runtime.measure's CI format; no torch).
+"""Render bench/results/README.md and its topic pages from the JSON in bench/results/ (json and runtime.measure).
 
-    python bench/render_results.py                          # rewrite bench/results/README.md
-    python bench/render_results.py --results DIR --out FILE # render another folder / to another file
-    python bench/render_results.py --check                  # exit 1 if the committed page is stale
+    python bench/render_results.py                              # rewrite bench/results/*.md
+    python bench/render_results.py --results DIR --out-dir DIR  # render another folder / to another folder
+    python bench/render_results.py --check                      # exit 1 if a committed page is stale
 
-Every number on the generated page is read from a JSON field; the prose only explains. One small render
-function per bench kind is registered in ``RENDERERS`` by file-name pattern (first matching pattern wins);
-a JSON file no pattern claims is listed under "Not rendered", so nothing disappears silently.
-The page opens with a one-screen summary (``render_summary``): per CPU kind, the headline figure of each
-``SUMMARY`` column, picked from the same JSON and linked to the section (``<a id>`` in its heading) it comes from.
+Every number on the generated pages is read from a JSON field; the prose only explains. One small render
+function per bench kind is registered in ``RENDERERS`` by file-name pattern (the most specific pattern wins),
+on one topic ``Page``; a JSON file no pattern claims is listed under "Not rendered" in README.md, so nothing
+disappears silently. README.md opens with a one-screen summary (``render_summary``): per CPU kind, the headline
+figure of each ``SUMMARY`` column, picked from the same JSON and linked to the section (``<a id>`` in its heading,
+on its topic page) it comes from; its contents link every section.
 Each section states the conditions its run record carries (model + precision, hardware + ISA + kernels,
 lengths, arrival process, engine config + warmth, metric + correctness requirement).
 """
@@ -158,7 +159,33 @@ def conditions(rec: dict, title: str = "Conditions") -> str:
 # ----------------------------------------------------------------------------------------------- renderers
 
 @dataclass(frozen=True)
+class Page:
+    """One generated page of this folder; README.md is the summary and the index of them all."""
+    file: str
+    title: str
+    intro: str  # prose, no numbers
+
+
+SPEED = Page("speed.md", "Decode speed: kernels, compiled steps, llama.cpp, GPU",
+             "The native runtime's batch-1 decode, per CPU kind: against HF generate, quantized kernels, compiled "
+             "steps and where their time goes, llama.cpp on the same weights, and the GPU check.")
+SERVING = Page("serving.md", "Serving: native vs vLLM, harness overhead, speed through noise",
+               "Serving backends under a load generator, what quantspec's harness adds on vLLM, and how the paired "
+               "speed protocol holds up with one core hogged.")
+QUALITY = Page("quality.md", "Quality: weight, activation and KV-cache schemes",
+               "Accuracy, flips, KL and perplexity of each quantization against the unquantized model on the same "
+               "items, and the native eval backend against lm-eval's.")
+SPECULATION = Page("speculation.md", "Speculative decoding: acceptance, speedup, exactness",
+                   "Acceptance and speedup vs K for each proposer beside the speedup theory predicts, EAGLE heads "
+                   "trained here, speculation on quantized targets, and the lossless checks.")
+SEARCH = Page("search.md", "Searches: cost and speed/quality tables",
+              "Where a search's wall time goes, and the tables of the searches run here (the demo's included).")
+PAGES = (SPEED, SERVING, QUALITY, SPECULATION, SEARCH)
+
+
+@dataclass(frozen=True)
 class Bench:
+    page: Page
     title: str
     script: str          # the command that writes the JSON
     render: Callable[[dict], str]
@@ -171,14 +198,14 @@ class Bench:
 RENDERERS: dict[str, Bench] = {}
 
 
-def bench(pattern: str, title: str, script: str, intro: str = "", random_weights: bool = False):
+def bench(page: Page, pattern: str, title: str, script: str, intro: str = "", random_weights: bool = False):
     def deco(fn):
-        RENDERERS[pattern] = Bench(title, script, fn, intro, random_weights)
+        RENDERERS[pattern] = Bench(page, title, script, fn, intro, random_weights)
         return fn
     return deco
 
 
-@bench("decode-*.json", "Native decode vs HF generate", "bench/decode.py",
+@bench(SPEED, "decode-*.json", "Native decode vs HF generate", "bench/decode.py",
        "Batch size one, greedy, fixed output length; decode tok/s excludes prefill. One file per CPU kind: a table "
        "measured on one kind does not hold on another.")
 def render_decode(d: dict) -> str:
@@ -193,7 +220,7 @@ def render_decode(d: dict) -> str:
     ])
 
 
-@bench("decode_compiled.*.json", "Compiled decode step vs eager", "bench/decode.py --compile",
+@bench(SPEED, "decode_compiled.*.json", "Compiled decode step vs eager", "bench/decode.py --compile",
        "The one-token decode step compiled by torch.compile (inductor's C++ backend, weights frozen) against the "
        "eager step, same dtype, prompt and length, runs interleaved; compile time (first call) apart from "
        "steady-state tok/s. One file per CPU kind; the machine's load average is in each row.")
@@ -211,7 +238,7 @@ def render_decode_compiled(d: dict) -> str:
     ])
 
 
-@bench("quant_decode.*.json", "Quantized decode speed (weight-only kernels)", "bench/quant_decode.py",
+@bench(SPEED, "quant_decode.*.json", "Quantized decode speed (weight-only kernels)", "bench/quant_decode.py",
        "Each scheme as a ratio to fp32 decode in the same run and as a share of its own read roofline (bytes per "
        "token count packed weights, scales and the tied LM head). A run with `QUANTSPEC_CPU_FEATURES=avx2` times "
        "the kernels an AVX2 CPU would pick on the machine named in its record; it is not an AVX2 measurement.")
@@ -228,7 +255,7 @@ def render_quant_decode(d: dict) -> str:
     ])
 
 
-@bench("w8a8_decode.*.json", "W8A8 decode: INT8 and FP8 kernels beside bf16", "bench/w8a8_decode.py",
+@bench(SPEED, "w8a8_decode.*.json", "W8A8 decode: INT8 and FP8 kernels beside bf16", "bench/w8a8_decode.py",
        "Batch-1 eager decode, each row paired with the resident bf16 model in interleaved rounds; FP8 with each of "
        "its two products forced (`torch._scaled_mm`, the exact fp32 upcast) and as the probe picked. GB/s counts "
        "the fp8 / int8 codes streamed per token; the fp32 upcast actually reads its cached fp32 weights (four bytes "
@@ -250,7 +277,8 @@ def bandwidth_line(r: dict) -> str:
             f"{' / '.join(num(x) for x in r.get('load_average_1_5_15', []))}.")
 
 
-@bench("quant_decode_compiled.*.json", "Quantized decode speed under compile", "bench/quant_decode.py --compile MODE",
+@bench(SPEED, "quant_decode_compiled.*.json", "Quantized decode speed under compile",
+       "bench/quant_decode.py --compile MODE",
        "bf16, int8 and int4 g32 on the eager and on the compiled one-token step (runtime/compiled.py: inductor, weights "
        "frozen), the quantized linears with their own kernels inside the graph (the registry's pick; the int4 rows "
        "again on torch's `int4pack`), with the LM head kept bf16 (the "
@@ -279,7 +307,7 @@ def render_quant_decode_compiled(d: dict) -> str:
     ])
 
 
-@bench("gemv.*.json", "quantspec's bf16 / int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
+@bench(SPEED, "gemv.*.json", "quantspec's bf16 / int4 / int8 GEMV kernels beside torch's", "bench/gemv.py",
        "Each product of quantspec's AVX-512 / AVX2 kernels (`runtime/cpu_ops.py`: `bf16gemv` on bf16 weights, "
        "`int4gemv` on int4 g32, `int8gemv` on int8 per channel, a code made an exact bf16 with one OR; all multiply "
        "with `vdpbf16ps`, or its arithmetic in FMAs without AVX512-BF16, on 8-lane halves on AVX2) paired with the torch kernel it stands in for (oneDNN's prepacked bf16 GEMM, `int4pack`, "
@@ -297,7 +325,7 @@ def render_gemv(d: dict) -> str:
                                 "torch GB/s", "speedup [95% CI]"], rows), bandwidth_line(r)])
 
 
-@bench("step_attention.*.json", "Attention inside the compiled step: SDPA, eager, fused reduce",
+@bench(SPEED, "step_attention.*.json", "Attention inside the compiled step: SDPA, eager, fused reduce",
        "bench/step_attention.py",
        "Each step here reads every position of its preallocated KV cache (a span of the whole cache). The bf16 "
        "one-token step of the default model with torch's SDPA kernel (the step's attention for SDPA models before "
@@ -319,7 +347,7 @@ def render_step_attention(d: dict) -> str:
                   "build s (it / SDPA)", "first token differing from SDPA", "verification rows differing"], rows)
 
 
-@bench("cache_span.*.json", "What reading the whole KV cache costs a compiled step", "bench/cache_span.py",
+@bench(SPEED, "cache_span.*.json", "What reading the whole KV cache costs a compiled step", "bench/cache_span.py",
        "A compiled step attends over a span of its preallocated KV cache (masked: one graph per span). The product's "
        "steps read the span a request reserves (prompt + output rounded up to `runtime.compiled.SPAN_BLOCK` positions); "
        "before spans they read "
@@ -338,7 +366,7 @@ def render_cache_span(d: dict) -> str:
                   "KV MiB a step reads", "same greedy tokens"], rows)
 
 
-@bench("compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
+@bench(SPEED, "compile_options*.json", "Ways to compile the decode step: speed, verification, build cost",
        "bench/compile_options.py",
        "The bf16 step as the product builds it (each transformer block one nested compile region, built once and "
        "called for every layer; bf16 linears calling quantspec's `bf16gemv` op as extern kernels, q/k/v and gate/up "
@@ -363,7 +391,7 @@ def render_compile_options(d: dict) -> str:
     ])
 
 
-@bench("llamacpp*.json", "llama.cpp beside the native path", "make llamacpp && bench/llamacpp.py",
+@bench(SPEED, "llamacpp*.json", "llama.cpp beside the native path", "make llamacpp && bench/llamacpp.py",
        "Decode: llama.cpp (llama-cpp-python, built by pip with the host's flags) on the default model's own GGUF (Q4_1 "
        "as shipped; Q8_0 written by the gguf package) and native int4 g32 / int8 / bf16 on compiled steps, one greedy "
        "generation each per round in a shuffled order, ratios per round to llama.cpp Q4_1. Tokens are compared with "
@@ -396,7 +424,7 @@ def render_llamacpp(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("step_profile.*.json", "Where a compiled decode step's time goes", "bench/step_profile.py",
+@bench(SPEED, "step_profile.*.json", "Where a compiled decode step's time goes", "bench/step_profile.py",
        "One-token compiled steps under torch.profiler, inductor's generated kernels timed by name "
        "(`cpp.enable_kernel_profile`), the eager prefill subtracted. Groups: weight matmuls (the layers' GEMMs and "
        "the LM head), attention (SDPA), dynamo's guard check before each call, and the rest (the graph's wrapper, "
@@ -414,7 +442,7 @@ def render_step_profile(d: dict) -> str:
                          f"Read bandwidth {num(r['bandwidth_gb_s'], 1)} GB/s."])
 
 
-@bench("gpu-check.cuda*.json", "GPU check: the native runtime on a GPU", "bench/gpu_check.py",
+@bench(SPEED, "gpu-check.cuda*.json", "GPU check: the native runtime on a GPU", "bench/gpu_check.py",
        "The one prepared GPU check (docs/gpu.md) on seeded random weights of two Llama shapes: speed and greedy "
        "token-exactness only (quality is measured on CPU with the real weights). Kernels: one batch-1 product per "
        "weight format at the 1B shape's MLP matrices, by the kernel the registry picks on the GPU, as weight bytes "
@@ -473,7 +501,7 @@ def render_gpu_check(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("backends.json", "Serving backends: native vs vLLM", "bench/backends.py",
+@bench(SERVING, "backends.json", "Serving backends: native vs vLLM", "bench/backends.py",
        "Effective tok/s = output tokens counted from the returned ids / window wall time (prefill and queueing "
        "included). The native backend serves one request at a time (others wait in a FIFO queue, inside their TTFT); vLLM "
        "batches continuously. Each (backend, config) ran in its own process with one engine for both loads.")
@@ -508,7 +536,7 @@ def _act_rows(rows: list[dict]) -> str:
     return table([c[0] for c in cols], [[c[2](r.get(c[1])) for c in cols] for r in rows])
 
 
-@bench("act_quality.json", "W8A8 activation quantization: quality", "bench/act_quality.py --no-speed",
+@bench(QUALITY, "act_quality.json", "W8A8 activation quantization: quality", "bench/act_quality.py --no-speed",
        "Perplexity and KL against the fp32 model on WikiText-2 windows; static scales and SmoothQuant calibrated "
        "as the record says. FP8 W8A8 dynamic is compressed-tensors' `FP8_DYNAMIC` (E4M3 weights per channel, "
        "E4M3 activations per token) beside INT8 W8A8 dynamic.")
@@ -516,7 +544,7 @@ def render_act_quality(d: dict) -> str:
     return _act_rows(d["results"]["rows"])
 
 
-bench("act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 beside static INT8",
+bench(QUALITY, "act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 beside static INT8",
       "bench/act_quality.py --no-speed --rows \"fp32,W8A8 static mse,FP8 static minmax,FP8 static mse\" "
       "--out bench/results/act_quality_fp8_static.json",
       "compressed-tensors' `FP8` preset (E4M3 weights per tensor, one calibrated E4M3 input scale per layer) "
@@ -524,12 +552,14 @@ bench("act_quality_fp8_static.json", "W8A8 activation quantization: static FP8 b
       "(its `W8A8 static mse` row reproduces).")(render_act_quality)
 
 
-bench("act_speed.json", "W8A8 activation quantization: speed", "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
+bench(SPEED, "act_speed.json", "W8A8 activation quantization: speed",
+      "bench/act_quality.py --speed-rows-only --out bench/results/act_speed.json",
       "The `int8xint8` kernel (`torch._int_mm`) against dense fp32 and bf16 in the same run. The quality columns "
-      "here come from fewer windows than the quality table above, which is the quality result.")(render_act_quality)
+      "here come from fewer windows than [the quality table](quality.md#act_quality-json), which is the quality "
+      "result.")(render_act_quality)
 
 
-@bench("kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py",
+@bench(QUALITY, "kv_quality.json", "KV-cache quantization: quality", "bench/kv_quality.py",
        "The fp8 rows on both backends come from `--vllm` (same file). Teacher-forced *through the cache* in chunks, so every chunk attends to quantized history; KL against the "
        "dense fp32 cache. Bytes per token = K+V over all layers (codes + dynamic scales).")
 def render_kv(d: dict) -> str:
@@ -556,7 +586,7 @@ def render_kv(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("eval_agreement*.json", "Native eval backend vs lm-eval's `hf` backend", "bench/eval_agreement.py",
+@bench(QUALITY, "eval_agreement*.json", "Native eval backend vs lm-eval's `hf` backend", "bench/eval_agreement.py",
        "Both backends through `lm_eval.simple_evaluate` on the same documents, 0-shot, local task YAMLs. CPU "
        "seconds were measured on shared cores: indicative only.")
 def render_eval_agreement(d: dict) -> str:
@@ -576,7 +606,7 @@ def render_eval_agreement(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("eval_schemes.json", "Weight schemes: accuracy, flips, KL, floor verdict", "bench/eval_schemes.py",
+@bench(QUALITY, "eval_schemes.json", "Weight schemes: accuracy, flips, KL, floor verdict", "bench/eval_schemes.py",
        "Accuracy alone hides how many answers changed: flips count items whose correctness differs from the "
        "reference; the verdict is the lower end of the paired-bootstrap interval of the margin "
        "(see docs/methodology.md), so a small item count cannot certify a floor even when the point estimate "
@@ -601,7 +631,7 @@ def render_eval_schemes(d: dict, extra: dict[str, Callable[[dict], Any]] | None 
 KERNEL_AND_CAVEAT = {"kernel": lambda x: kernels_text(x.get("kernels")), "caveat": lambda x: x.get("caveat") or "–"}
 
 
-@bench("eval_fp4.json", "FP4 microscaling vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4",
+@bench(QUALITY, "eval_fp4.json", "FP4 microscaling vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4",
        "MXFP4A16 (E2M1 in g32 blocks, E8M0 power-of-two scales) and NVFP4A16 (E2M1 in g16 blocks, E4M3 scales "
        "under an fp32 global scale) beside int4 g32 asymmetric / symmetric and g16 symmetric, RTN, on the default "
        "model. The FP4 rows run the `simulated` kernel (dequantized weights, plain matmul): their quality is real, "
@@ -610,7 +640,7 @@ def render_eval_fp4(d: dict) -> str:
     return render_eval_schemes(d, KERNEL_AND_CAVEAT)
 
 
-bench("eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.py --set fp8",
+bench(QUALITY, "eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.py --set fp8",
       "E4M3 weights per output channel (FP8A16) and per square block (`wfp8b…`: compressed-tensors' FP8_BLOCK "
       "weights; the full preset's per-group activations do not fit this model's layer widths), weight-only and "
       "with dynamic per-token E4M3 activations, compressed-tensors' FP8_DYNAMIC and static FP8 (one calibrated "
@@ -618,7 +648,7 @@ bench("eval_fp8.json", "FP8 formats: accuracy, flips, KL", "bench/eval_schemes.p
       "`simulated` kernel (quality real, no speed claimed).")(render_eval_fp4)
 
 
-@bench("eval_rotation.json", "Hadamard rotation at W4A8 / W4A4: accuracy, flips, KL",
+@bench(QUALITY, "eval_rotation.json", "Hadamard rotation at W4A8 / W4A4: accuracy, flips, KL",
        "bench/eval_schemes.py --set rotation",
        "int4 g32 symmetric weights (RTN) with int8 per-token, int4 per-token and int4 per-group-of-32 dynamic "
        "activations, each without and with `--rotate hadamard` (quant/rotation.py: R1 and R2 fused into the weights, "
@@ -633,7 +663,7 @@ def render_eval_rotation(d: dict) -> str:
     return render_eval_schemes(d, KERNEL_AND_CAVEAT) + "\n\n" + line
 
 
-@bench("eval_fp4_act.json", "W4A4 in FP4 vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4a",
+@bench(QUALITY, "eval_fp4_act.json", "W4A4 in FP4 vs int4: accuracy, flips, KL", "bench/eval_schemes.py --set fp4a",
        "Weights and activations both four-bit, RTN: MXFP4 (E2M1 in g32 blocks with E8M0 scales, activations scaled "
        "per block as they arrive) beside int4 weights and activations in g32 groups, NVFP4 (g16 blocks, E4M3 scales "
        "under an fp32 global scale per tensor; each layer's input global scale calibrated on WikiText-2, as "
@@ -645,14 +675,14 @@ def render_eval_fp4_act(d: dict) -> str:
     return render_eval_rotation(d)
 
 
-bench("eval_head.json", "Quantizing the LM head too: accuracy, flips, KL", "bench/eval_schemes.py --set head",
+bench(QUALITY, "eval_head.json", "Quantizing the LM head too: accuracy, flips, KL", "bench/eval_schemes.py --set head",
       "int8 per channel and int4 g32 symmetric weights, RTN, with the LM head kept bf16 (the default schemes: "
       "compressed-tensors ignores `lm_head`) and quantized too (`@ignore=`: the tied head becomes its own quantized "
-      "copy, the embedding lookup stays bf16). What the head's bytes buy at batch-one decode is in the compiled "
-      "decode table above; this is what they cost in quality. Read the caveat beside the 4-bit rows.")(render_eval_fp4)
+      "copy, the embedding lookup stays bf16). What the head's bytes buy at batch-one decode is in [the compiled "
+      "decode table](speed.md#quant_decode_compiled-amd-epyc-avx512-json); this is what they cost in quality. Read the caveat beside the 4-bit rows.")(render_eval_fp4)
 
 
-@bench("quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",
+@bench(QUALITY, "quant_quality.json", "Weight-quantization methods: perplexity", "bench/quant_quality.py",
        "Each row quantized by `quantize_model` and scored on the same WikiText-2 windows; quantize seconds are "
        "wall time on shared cores (they rank methods, they are not speeds).")
 def render_quant_quality(d: dict) -> str:
@@ -666,7 +696,7 @@ def render_quant_quality(d: dict) -> str:
     ])
 
 
-@bench("quant_store.json", "Calibrated quantizations kept on disk", "bench/quant_store.py",
+@bench(QUALITY, "quant_store.json", "Calibrated quantizations kept on disk", "bench/quant_store.py",
        "Each point quantized in a fresh process with an empty store (it calibrates and writes the entry, "
        "quant/store.py), then in another fresh process (it reads the entry); both decode the same prompt greedily. "
        "Seconds are `quantize_fresh`'s wall time, model load excluded.")
@@ -678,7 +708,7 @@ def render_quant_store(d: dict) -> str:
                   "entry MB", "kernels (layers)", "greedy tokens equal"], rows)
 
 
-@bench("harness_overhead.json", "Harness overhead on vLLM", "bench/harness_overhead.py",
+@bench(SERVING, "harness_overhead.json", "Harness overhead on vLLM", "bench/harness_overhead.py",
        "Our vLLM backend's closed loop against a bare `LLM.generate` on the same in-process engine and prompts, "
        "alternating rounds, median.")
 def render_harness_overhead(d: dict) -> str:
@@ -692,7 +722,7 @@ def render_harness_overhead(d: dict) -> str:
     ])
 
 
-@bench("specdec-vllm.json", "Speculative decoding: native vs vLLM side by side", "bench/spec_vllm.py",
+@bench(SPECULATION, "specdec-vllm.json", "Speculative decoding: native vs vLLM side by side", "bench/spec_vllm.py",
        "vLLM numbers are deltas of its spec-decode counters around the measured window; native numbers use the "
        "same definitions. With an identical draft an exact sampler must accept every draft token at any "
        "temperature.")
@@ -718,7 +748,7 @@ SWEEP_COLS = [  # (header, row field, format); a column shows when any row has t
 ]
 
 
-@bench("specdec*.json", "Speculative decoding: acceptance and speedup vs K", "bench/spec_sweep.py",
+@bench(SPECULATION, "specdec*.json", "Speculative decoding: acceptance and speedup vs K", "bench/spec_sweep.py",
        "Speedup = speculative decode tok/s / plain decode tok/s of the same target (prefill excluded). α = "
        "accepted / drafted; β = accepted / tested draft tokens (Leviathan's per-token acceptance); c = proposer "
        "cost per drafted token in plain decode steps; V(K) = measured cost of a verification over K drafted tokens plus the bonus in "
@@ -755,7 +785,7 @@ def render_sweeps(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("eagle_train_draft*.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
+@bench(SPECULATION, "eagle_train_draft*.json", "EAGLE draft head: trained here, then acceptance and speedup vs K",
        "bench/train_draft.py",
        "An EAGLE-1 style head (eagle:PATH; one decoder layer unless the record says more) trained on this machine under a wall-clock budget from the "
        "target itself: its own greedy answers to Alpaca instructions (benchmark overlaps dropped), where recorded also "
@@ -799,7 +829,8 @@ def eagle_sweep(d: dict) -> dict:
                                         if k not in ("training", "time_split_s", "notes")}}
 
 
-@bench("spec_quant.json", "Quantization x speculation: an EAGLE head on quantized targets", "bench/spec_quant.py",
+@bench(SPECULATION, "spec_quant.json", "Quantization x speculation: an EAGLE head on quantized targets",
+       "bench/spec_quant.py",
        "The head trained on the unquantized target drafts for the same target with RTN-quantized weights (W8A8 = "
        "int8 per-channel weights with dynamic per-token int8 activations), the head itself unquantized or int8 "
        "weight-only. Speedup is over plain decoding of the same quantized target; the sweep columns are those of "
@@ -825,7 +856,7 @@ def render_spec_quant(d: dict) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-@bench("eagle_tree_bound*.json", "EAGLE tree drafting: top-w acceptance and the speedup it predicts",
+@bench(SPECULATION, "eagle_tree_bound*.json", "EAGLE tree drafting: top-w acceptance and the speedup it predicts",
        "bench/eagle_tree_bound.py",
        "Before a tree decoder exists: a full tree of widths (w1, w2) drafts the head's top w1 tokens, then the top "
        "w2 of its second step under each, and greedy verification accepts a level when the target's token is among "
@@ -846,7 +877,8 @@ def render_tree_bound(d: dict) -> str:
     return head + "\n\n" + table(["tree widths", "rows verified", "τ", "V(rows - 1)", "predicted speedup"], rows)
 
 
-@bench("check-lossless-*.json", "Lossless checks of speculative sampling", "quantspec check-lossless --json FILE",
+@bench(SPECULATION, "check-lossless-*.json", "Lossless checks of speculative sampling",
+       "quantspec check-lossless --json FILE",
        "Greedy speculative output must equal plain greedy decoding; sampled outputs are judged by TV and "
        "acceptance tests of known false-alarm rate and power (docs/methodology.md). Over a full vocabulary a few "
        "hundred samples detect little: compare each TV threshold with its detectable TV.")
@@ -886,7 +918,7 @@ def render_lossless(d: dict) -> str:
     return "\n\n".join(parts)
 
 
-@bench("compare-backends-*.json", "Native vs vLLM on the same weights, item by item",
+@bench(QUALITY, "compare-backends-*.json", "Native vs vLLM on the same weights, item by item",
        "quantspec eval default --scheme SCHEME --compare-backends --tasks TASKS --limit N --json FILE",
        "One configuration scored by both backends from the same compressed-tensors export, dtype and items. "
        "`differ` counts items whose answer differs (chosen choice, greedy flag, or generated text); McNemar's exact "
@@ -906,7 +938,7 @@ def render_compare_backends(d: dict, show: int = 8) -> str:
     ])
 
 
-@bench("study_cost.*json", "Search cost", "bench/study_cost.py",
+@bench(SEARCH, "study_cost.*json", "Search cost", "bench/study_cost.py",
        "Where the wall time of a TPE search goes, from an empty eval cache. A quantized model is memoised per "
        "(checkpoint, dtype, scheme, method, calibration set), so quality, fidelity, speed and the greedy twin of "
        "one point calibrate once, and a calibrated one is kept on disk for the next process (quant/store.py; "
@@ -943,7 +975,8 @@ def held_rounds(rounds: dict | None) -> str:
             f"{rounds['held']}.")
 
 
-@bench("demo-pareto.json", "`make demo` search: speed vs quality", "make demo (copied from runs/demo/pareto.json and pareto.png)",
+@bench(SEARCH, "demo-pareto.json", "`make demo` search: speed vs quality",
+       "make demo (copied from runs/demo/pareto.json and pareto.png)",
        "(`quantspec pareto --json FILE` writes the same table from a study's storage.) Every trial of the demo study. `feasible` = the floor verdict passed; `*` marks the Pareto-optimal feasible "
        "rows, `~` those behind the front on point estimates only (no row beats them beyond both CIs); `speedup` is "
        "paired with the reference (median of per-round ratios, t-interval of their mean log over `rounds`; `noisy` where the CI "
@@ -985,14 +1018,14 @@ def render_demo(d: dict, plot: str | None = "demo-pareto.png") -> str:
     ])
 
 
-bench("study_cost*-pareto.json", "Search cost: the searched tables", "bench/study_cost.py",
+bench(SEARCH, "study_cost*-pareto.json", "Search cost: the searched tables", "bench/study_cost.py",
       "The tables of the studies timed above, columns as in the demo table below; each study is kept beside it "
       "(`study_cost/study.db` for `study_cost.json`: `quantspec pareto --study-dir bench/results/study_cost "
       "--study-name study-cost`; `study_cost_compiled/`, `study_cost_eager/` and `study_cost_compiled_amx/` for the "
       "others).")(partial(render_demo, plot=None))
 
 
-@bench("noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",
+@bench(SERVING, "noise.*.json", "Speed through the noise: idle vs one core hogged", "bench/noise.py",
        "The demo's configurations measured on an idle machine and with a busy-loop process pinned to one core "
        "(started and stopped by the script), under the old protocol (each configuration timed once against a "
        "reference timed once at the start, torch's default threads) and the new one (paired with the resident "
@@ -1062,9 +1095,14 @@ class Figure:
     text: str    # markdown; the figure links to its record's section
 
 
+def link(name: str) -> str:
+    """Where a record's section is: its page and the anchor in its heading."""
+    return f"{RENDERERS[claim(name)].page.file}#{anchor(name)}"
+
+
 def ratio(x: float, name: str, ci: Any = None) -> str:
     """A ratio linked to the section of the record it comes from, with its CI when the record has one."""
-    return f"[{num(x)}×](#{anchor(name)})" + (f" [{num(ci[0])}, {num(ci[1])}]" if ci else "")
+    return f"[{num(x)}×]({link(name)})" + (f" [{num(ci[0])}, {num(ci[1])}]" if ci else "")
 
 
 def decode_figures(name: str, d: dict) -> list[Figure]:
@@ -1165,11 +1203,11 @@ def render_summary(data: dict[str, dict]) -> str:
                 if f.group not in best or f.score > best[f.group].score:
                     best[f.group] = f
             shown = [f.text for f in best.values()]
-            cited |= {n for n in files if any(f"(#{anchor(n)})" in t for t in shown)}
+            cited |= {n for n in files if any(f"({link(n)})" in t for t in shown)}
             if not shown and files:
                 cited |= set(files)
             row.append(" · ".join(shown) if shown else
-                       "none in " + ", ".join(f"[`{n}`](#{anchor(n)})" for n in files) if files else NOT_MEASURED)
+                       "none in " + ", ".join(f"[`{n}`]({link(n)})" for n in files) if files else NOT_MEASURED)
         rows.append(row)
     return "\n\n".join([
         "## Summary",
@@ -1182,13 +1220,14 @@ def render_summary(data: dict[str, dict]) -> str:
 # ----------------------------------------------------------------------------------------------- page
 
 TITLE = "# Measured results"
-ABOUT = """## About this page
+INDEX = "README.md"
+ABOUT = """## About these pages
 
 Generated by [`bench/render_results.py`](../render_results.py) from the JSON files in this folder (`make
-results`); do not edit by hand: `tests/test_results_page.py` fails when this page and the JSON disagree.
-Every number below is a JSON field. Each section names its source file, the script that writes it and the
-conditions its run record carries; the definitions behind α, β, τ, c, the quality floor and exactness are in
-[docs/methodology.md](../../docs/methodology.md)."""
+results`): this summary and one page per topic below; do not edit by hand: `tests/test_results_page.py` fails when
+a page and the JSON disagree. Every number is a JSON field. Each section names its source file, the script that
+writes it and the conditions its run record carries; the definitions behind α, β, τ, c, the quality floor and
+exactness are in [docs/methodology.md](../../docs/methodology.md)."""
 
 
 def claim(name: str) -> str | None:
@@ -1197,52 +1236,65 @@ def claim(name: str) -> str | None:
                default=None)
 
 
-def render_page(results: Path) -> str:
-    files = sorted(p for p in Path(results).glob("*.json"))
-    texts = {f.name: f.read_text() for f in files}
+def render_section(b: Bench, names: list[str], data: dict[str, dict], texts: dict[str, str]) -> str:
+    """One bench's section: its heading and script, then each of its records with caveat and conditions."""
+    out = [f"## {b.title}\n\nWritten by `{b.script}`. {b.intro}".rstrip()]
+    for name in names:
+        sec = [f'### [`{name}`]({name}) <a id="{anchor(name)}"></a>']
+        if not b.random_weights and FOUR_BIT.search(NOTE.sub("", texts[name])):  # 4-bit results, not just the note
+            sec.append(Q4_1_CAVEAT)
+        sec.append(b.render(data[name]))
+        cond = "" if b.random_weights else conditions(run_record(data[name]))
+        if cond:
+            sec.append(cond)
+        out.append("\n\n".join(sec))
+    return "\n\n".join(out)
+
+
+def render_pages(results: Path) -> dict[str, str]:
+    """File name -> text: ``README.md`` (summary, index, files no renderer claims) and one page per ``Page``."""
+    texts = {f.name: f.read_text() for f in sorted(Path(results).glob("*.json"))}
     data = {name: json.loads(text) for name, text in texts.items()}
     by_pattern: dict[str, list[str]] = {p: [] for p in RENDERERS}
     unclaimed = []
     for name in texts:
         p = claim(name)
         (by_pattern[p] if p else unclaimed).append(name)
-    out = [TITLE, render_summary(data), ABOUT,
-           "## Contents\n\n" + "\n".join(f"- {RENDERERS[p].title}" for p, fs in by_pattern.items() if fs)]
-    for pattern, names in by_pattern.items():
-        if not names:
+    shown = [(b, by_pattern[p]) for p, b in RENDERERS.items() if by_pattern[p]]
+    contents, pages = [], {}
+    for page in PAGES:
+        benches = [(b, names) for b, names in shown if b.page is page]
+        if not benches:
             continue
-        b = RENDERERS[pattern]
-        out.append(f"## {b.title}\n\nWritten by `{b.script}`. {b.intro}".rstrip())
-        for name in names:
-            d = data[name]
-            sec = [f'### [`{name}`]({name}) <a id="{anchor(name)}"></a>']
-            if not b.random_weights and FOUR_BIT.search(NOTE.sub("", texts[name])):  # 4-bit results here, not just the model's note
-                sec.append(Q4_1_CAVEAT)
-            sec.append(b.render(d))
-            cond = "" if b.random_weights else conditions(run_record(d))
-            if cond:
-                sec.append(cond)
-            out.append("\n\n".join(sec))
-    out.append("## Not rendered\n\nJSON files in this folder that no renderer claims (add a renderer in "
-               "`bench/render_results.py`):\n\n" + ("\n".join(f"- `{n}`" for n in unclaimed) or "- none"))
-    return "\n\n".join(out).rstrip() + "\n"
+        contents.append(f"### [{page.title}]({page.file})\n\n"
+                        + "\n".join(f"- [{b.title}]({link(names[0])})" for b, names in benches))
+        pages[page.file] = "\n\n".join([
+            f"# {page.title}", f"{page.intro} Summary and the other pages: [{INDEX}]({INDEX}).",
+            *(render_section(b, names, data, texts) for b, names in benches)]).rstrip() + "\n"
+    index = [TITLE, render_summary(data), ABOUT, "## Contents", *contents,
+             "## Not rendered\n\nJSON files in this folder that no renderer claims (add a renderer in "
+             "`bench/render_results.py`):\n\n" + ("\n".join(f"- `{n}`" for n in unclaimed) or "- none")]
+    return {INDEX: "\n\n".join(index).rstrip() + "\n", **pages}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON files")
-    ap.add_argument("--out", type=Path, default=None, help="page to write (default: RESULTS/README.md)")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the page on disk differs from a fresh render")
+    ap.add_argument("--out-dir", type=Path, default=None, help="folder to write the pages to (default: RESULTS)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page on disk differs from a fresh render")
     args = ap.parse_args(argv)
-    out = args.out or args.results / "README.md"
-    page = render_page(args.results)
+    out = args.out_dir or args.results
+    pages = render_pages(args.results)
     if args.check:
-        if not out.exists() or out.read_text() != page:
-            print(f"{out} is stale: run make results", file=sys.stderr)
+        stale = [f for f, text in pages.items() if not (out / f).exists() or (out / f).read_text() != text]
+        if stale:
+            print(f"{', '.join(stale)} in {out} stale: run make results", file=sys.stderr)
             return 1
         return 0
-    out.write_text(page)
-    print(f"wrote {out} ({len(page)} bytes)")
+    out.mkdir(parents=True, exist_ok=True)
+    for f, text in pages.items():
+        (out / f).write_text(text)
+    print(f"wrote {', '.join(f'{f} ({len(t) // 1024} KiB)' for f, t in pages.items())} to {out}")
     return 0
 
 

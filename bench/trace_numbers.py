@@ -1,6 +1,6 @@
 """List every number on the README and the results page with the JSON record it comes from.
 
-    python bench/trace_numbers.py                 # README.md and bench/results/README.md; exit 1 if one is missing
+    python bench/trace_numbers.py                 # README.md and bench/results/*.md; exit 1 if one is missing
     python bench/trace_numbers.py PAGE... --results DIR
 
 A number counts when it stands alone in prose or a table cell; names and code (``w4g32``, ``bf16``,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "README.md", ROOT / "bench" / "results" / "README.md")
+PAGES = (ROOT / "README.md", *sorted((ROOT / "bench" / "results").glob("*.md")))
 NUMBER = re.compile(r"(?<![\w.\-/=:#])[-−]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.\-/]*\w)")
 CODE = re.compile(r"`[^`]*`|\]\([^)]*\)|<[^>]*>")
 SOURCE = re.compile(r"([\w.\-]+\.json)")

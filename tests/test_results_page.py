@@ -1,4 +1,4 @@
-"""bench/results/README.md is rendered from the JSON beside it and cannot drift; README.md stays short."""
+"""bench/results/*.md are rendered from the JSON beside them and cannot drift; README.md stays short."""
 import importlib.util
 import json
 import re
@@ -28,9 +28,25 @@ def _copy(tmp_path):
     return dst
 
 
-def test_committed_page_equals_a_fresh_render():
-    page = (RESULTS / "README.md").read_text()
-    assert page == _renderer().render_page(RESULTS), "bench/results/README.md is stale: run `make results`"
+def _pages(results: Path = RESULTS) -> dict[str, str]:
+    return _renderer().render_pages(results)
+
+
+def test_committed_pages_equal_a_fresh_render():
+    pages = _pages()
+    assert set(pages) == {"README.md", *(p.file for p in _renderer().PAGES)}
+    assert sorted(f.name for f in RESULTS.glob("*.md")) == sorted(pages), "a page no renderer writes is left over"
+    for name, text in pages.items():
+        assert (RESULTS / name).read_text() == text, f"bench/results/{name} is stale: run `make results`"
+
+
+def test_pages_stay_small_and_each_section_sits_on_its_own_page():
+    """The split keeps every page readable on GitHub; each record's section is on the page its bench names."""
+    mod, pages = _renderer(), _pages()
+    assert all(len(text) < 200_000 for text in pages.values()), {k: len(v) for k, v in pages.items()}
+    for f in RESULTS.glob("*.json"):
+        page = mod.RENDERERS[mod.claim(f.name)].page.file
+        assert [n for n, text in pages.items() if f'<a id="{mod.anchor(f.name)}">' in text] == [page], f.name
 
 
 def test_every_result_json_is_claimed_by_a_renderer():
@@ -49,24 +65,25 @@ def test_changed_number_changes_the_page_at_that_number(tmp_path):
     d["results"]["bandwidth_gb_s"] = 12.3456
     d["results"]["rows"][3]["decode_tok_s"] = 98.765
     (src / name).write_text(json.dumps(d))
-    out = tmp_path / "page.md"
-    assert mod.main(["--results", str(src), "--out", str(out)]) == 0
-    new, old = out.read_text(), (RESULTS / "README.md").read_text()
+    out = tmp_path / "pages"
+    assert mod.main(["--results", str(src), "--out-dir", str(out)]) == 0
+    new, old = (out / "speed.md").read_text(), (RESULTS / "speed.md").read_text()
     assert new != old
     assert "Read bandwidth 12.35 GB/s" in new and f"Read bandwidth {before_bw:.2f} GB/s" in old
     assert "| 98.8 |" in new and f"| {before_row:.1f} |" in old
     # only the edited section changed
     diff = [(a, b) for a, b in zip(old.splitlines(), new.splitlines()) if a != b]
     assert len(diff) == 2, diff
-    assert mod.main(["--results", str(src), "--out", str(out), "--check"]) == 0
-    assert mod.main(["--results", str(RESULTS), "--out", str(out), "--check"]) == 1
+    assert [p.name for p in out.glob("*.md") if p.read_text() != (RESULTS / p.name).read_text()] == ["speed.md"]
+    assert mod.main(["--results", str(src), "--out-dir", str(out), "--check"]) == 0
+    assert mod.main(["--results", str(RESULTS), "--out-dir", str(out), "--check"]) == 1
 
 
 def test_unknown_json_is_listed_as_not_rendered(tmp_path):
     mod = _renderer()
     src = _copy(tmp_path)
     (src / "mystery_bench.json").write_text(json.dumps({"name": "mystery", "results": {"x": 1}}))
-    page = mod.render_page(src)
+    page = mod.render_pages(src)["README.md"]
     tail = page.split("## Not rendered", 1)[1]
     assert "`mystery_bench.json`" in tail
     assert "`mystery_bench.json`" not in page.split("## Not rendered", 1)[0]
@@ -74,7 +91,7 @@ def test_unknown_json_is_listed_as_not_rendered(tmp_path):
 
 
 def test_four_bit_sections_carry_the_q4_1_caveat():
-    page = (RESULTS / "README.md").read_text()
+    page = "\n".join(_pages().values())
     for name in ("quant_quality.json", "eval_schemes.json", "demo-pareto.json", "specdec.json"):
         section = page.split(f"### [`{name}`]", 1)[1].split("\n### ", 1)[0]
         assert "4-bit caveat" in section and "not** near-lossless" in section, name
@@ -92,7 +109,7 @@ def test_every_number_on_the_pages_traces_to_a_json_record(capsys):
 def test_negative_control_a_typed_number_is_reported_missing(tmp_path, capsys):
     """A figure typed into a section that names its record, but held by no field of it, is caught."""
     page = tmp_path / "page.md"
-    page.write_text((RESULTS / "README.md").read_text().replace("| fp32 (dense cache) | ", "| fp32 (dense cache) | 46.5 ", 1))
+    page.write_text((RESULTS / "quality.md").read_text().replace("| fp32 (dense cache) | ", "| fp32 (dense cache) | 46.5 ", 1))
     assert _renderer("trace_numbers").main([str(page), "--quiet"]) == 1
     assert "46.5\t<- MISSING" in capsys.readouterr().out
 
@@ -100,7 +117,7 @@ def test_negative_control_a_typed_number_is_reported_missing(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ summary
 
 SUMMARY_MAX_LINES = 25
-LINK = re.compile(r"\]\(#([^)]+)\)")
+LINK = re.compile(r"\]\(([\w-]+\.md)#([^)]+)\)")  # (page, anchor)
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -136,9 +153,10 @@ def _github_ids(page: str) -> set[str]:
     return ids
 
 
-def _dead_links(page: str) -> list[str]:
-    ids = _github_ids(page)
-    return [t for t in LINK.findall(_summary(page)) if t not in ids]
+def _dead_links(pages: dict[str, str]) -> list[str]:
+    """Summary links whose page is missing or holds no such anchor."""
+    return [f"{f}#{a}" for f, a in LINK.findall(_summary(pages["README.md"]))
+            if f not in pages or a not in _github_ids(pages[f])]
 
 
 def _untraced(page: str, results: Path) -> list[str]:
@@ -150,7 +168,7 @@ def _untraced(page: str, results: Path) -> list[str]:
     bad = []
     for kind, cells in _summary_rows(page).items():
         for fig in (f for c in cells for f in c.split(" · ")):
-            targets = {by_anchor.get(t) for t in LINK.findall(fig)}
+            targets = {by_anchor.get(a) for _, a in LINK.findall(fig)}
             numbers = [m.group(0) for m in tn.NUMBER.finditer(tn.CODE.sub(" ", fig))]
             if numbers and (len(targets) != 1 or None in targets):
                 bad.append(f"{kind}: {fig!r} links to {targets}")
@@ -168,29 +186,30 @@ def test_summary_opens_the_page_and_fits_one_screen():
     assert lines[first_section] == "## Summary" and first_section <= 3
     summary = _summary(page)
     assert len(summary.splitlines()) <= SUMMARY_MAX_LINES, summary
-    assert page.index("## Summary") < page.index("## About this page") < page.index("## Contents")
+    assert page.index("## Summary") < page.index("## About these pages") < page.index("## Contents")
     header = next(ln for ln in summary.splitlines() if ln.startswith("| CPU kind"))
     assert [c.strip() for c in header.split("|")[1:-1]] == ["CPU kind", *(c[0] for c in mod.SUMMARY)]
     rows = _summary_rows(page)
     assert {"AMD EPYC (AVX2)", "AMD EPYC (AVX512)", "Intel Xeon (AVX512, AMX)", "Intel Xeon (AVX2 forced)"} <= set(rows)
     assert all(len(cells) == len(mod.SUMMARY) and all(cells) for cells in rows.values())
     # every column holds a figure for some CPU kind, and the quantized ratio names its baseline
-    assert all(any("×](#" in cells[i] for cells in rows.values()) for i in range(len(mod.SUMMARY)))
+    assert all(any(re.search(r"×\]\([\w-]+\.md#", cells[i]) for cells in rows.values()) for i in range(len(mod.SUMMARY)))
     assert "vs fp32" in header and "**fp32**" in summary
 
 
 def test_summary_links_resolve_to_the_sections_of_their_records():
-    page = (RESULTS / "README.md").read_text()
-    targets = LINK.findall(_summary(page))
-    assert len(targets) >= 10 and _dead_links(page) == []
-    ids = re.findall(r'<a id="([^"]+)"', page)
+    pages = {p.name: p.read_text() for p in RESULTS.glob("*.md")}
+    targets = LINK.findall(_summary(pages["README.md"]))
+    assert len(targets) >= 10 and _dead_links(pages) == []
+    ids = re.findall(r'<a id="([^"]+)"', "\n".join(pages.values()))
     assert len(ids) == len(set(ids))
     mod = _renderer()
     for name in (f.name for f in RESULTS.glob("*.json")):  # the anchor sits in the heading of its record's section
-        assert f'### [`{name}`]({name}) <a id="{mod.anchor(name)}"></a>' in page, name
+        assert f'### [`{name}`]({name}) <a id="{mod.anchor(name)}"></a>' in pages[mod.link(name).split("#")[0]], name
     # negative control: drop one cited record's anchor and its link is reported dead
-    gone = targets[0]
-    assert _dead_links(page.replace(f'<a id="{gone}"></a>', "")) == [t for t in targets if t == gone]
+    page, gone = targets[0]
+    broken = {**pages, page: pages[page].replace(f'<a id="{gone}"></a>', "")}
+    assert _dead_links(broken) == [f"{f}#{a}" for f, a in targets if a == gone]
 
 
 def test_summary_figures_trace_to_the_record_they_link(tmp_path):
@@ -213,10 +232,10 @@ def test_summary_figures_trace_to_the_record_they_link(tmp_path):
 def test_summary_says_not_measured_where_a_record_is_missing(tmp_path):
     """Negative control: with one CPU kind's quantized-decode record gone, that cell says so, the rest stay."""
     mod = _renderer()
-    before = _summary_rows(mod.render_page(RESULTS))
+    before = _summary_rows(mod.render_pages(RESULTS)["README.md"])
     src = _copy(tmp_path)
     (src / "quant_decode.amd-epyc-avx512.json").unlink()
-    after = _summary_rows(mod.render_page(src))
+    after = _summary_rows(mod.render_pages(src)["README.md"])
     assert "quant_decode-amd-epyc-avx512-json" in before["AMD EPYC (AVX512)"][1]
     assert after["AMD EPYC (AVX512)"][1] == mod.NOT_MEASURED
     assert [c for i, c in enumerate(after["AMD EPYC (AVX512)"]) if i != 1] == \
@@ -233,14 +252,14 @@ def test_summary_column_says_not_measured_without_its_records(tmp_path, column):
     patterns = mod.SUMMARY[column][1]
     gone = [f for f in src.glob("*.json") if mod.claim(f.name) in patterns]
     assert gone
-    before = _summary_rows(mod.render_page(src))
+    before = _summary_rows(mod.render_pages(src)["README.md"])
     assert any(cells[column] != mod.NOT_MEASURED for cells in before.values())
     for f in gone:
         f.unlink()
-    page = mod.render_page(src)
-    after = _summary_rows(page)
+    pages = mod.render_pages(src)
+    after = _summary_rows(pages["README.md"])
     assert after and all(cells[column] == mod.NOT_MEASURED for cells in after.values()), after
-    assert _dead_links(page) == [] and _untraced(page, src) == []
+    assert _dead_links(pages) == [] and _untraced(pages["README.md"], src) == []
 
 
 def test_search_table_takes_the_cpu_of_the_study_that_wrote_it(tmp_path):
@@ -250,14 +269,14 @@ def test_search_table_takes_the_cpu_of_the_study_that_wrote_it(tmp_path):
 
     mod = _renderer()
     table = re.compile(r"#study_cost[\w-]*-pareto-json")
-    rows = _summary_rows(mod.render_page(RESULTS))
+    rows = _summary_rows(mod.render_pages(RESULTS)["README.md"])
     assert table.search(rows["AMD EPYC (AVX512)"][3])
     assert "#demo-pareto-json" in rows[mod.NO_CPU][3]  # no record names the demo table: its CPU is unknown
     src = _copy(tmp_path)
     for record in src.glob("study_cost*.json"):
         if not record.name.endswith("-pareto.json"):
             record.unlink()
-    rows = _summary_rows(mod.render_page(src))
+    rows = _summary_rows(mod.render_pages(src)["README.md"])
     assert rows["AMD EPYC (AVX512)"][3] == mod.NOT_MEASURED and table.search(rows[mod.NO_CPU][3])
 
 
