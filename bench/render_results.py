@@ -1162,16 +1162,25 @@ def search_figures(name: str, d: dict) -> list[Figure]:
     return out
 
 
+def llamacpp_figures(name: str, d: dict) -> list[Figure]:
+    rows = (d["results"]["decode"] or {}).get("rows", [])
+    return [Figure(x["engine"], x["vs_llamacpp_q4_1"], f"{x['engine'].removeprefix('native ')} "
+                   f"{ratio(x['vs_llamacpp_q4_1'], name, x.get('vs_llamacpp_q4_1_ci'))}")
+            for x in rows if x["engine"].startswith("native int4")]
+
+
 SUMMARY = [  # (column, the renderer patterns whose files it reads, figures of one file)
     ("native / HF decode", ("decode-*.json",), decode_figures),
     ("best int8 · int4 decode vs fp32", ("quant_decode.*.json",), quant_figures),
+    ("native int4 vs llama.cpp Q4_1 decode", ("llamacpp*.json",), llamacpp_figures),
     ("best speculative speedup", ("specdec*.json", "eagle_train_draft*.json", "spec_quant.json"), spec_figures),
     ("best feasible search point", ("study_cost*-pareto.json", "demo-pareto.json"), search_figures),
 ]
 SUMMARY_INTRO = (
     "Per CPU kind (CPU and ISA of the run record, or of the machine tag in the file name where the record has no "
     "ISA), the best figure of each kind of run, linked to its section. Quantized decode is over **fp32** decode in "
-    "the same run; speculative speedup is over plain decoding of the same target; the search point is the fastest "
+    "the same run, native int4 over llama.cpp's Q4_1 file in the same run; speculative speedup is over plain "
+    "decoding of the same target; the search point is the fastest "
     "feasible trial against the study's reference, accuracy Δ in points; [brackets]: confidence intervals.")
 
 
