@@ -43,10 +43,9 @@ from specdec.sweep import run_sweep
 from runtime.argtypes import positive_int
 
 INSTALL = "llama-cpp-python is not installed: run `make llamacpp` (pip builds it from source, about 5 min on 2 cores)"
-# (label, schemes applied in turn): the third quantizes the head left dense by the first (its own int8 copy), as
-# llama.cpp's Q4_1 file keeps its head: 4-bit body, the Q8_0 token embedding as the LM head
-NATIVE = [("native int4 g32", ("w4g32-sym",)), ("native int8 W8A16", ("W8A16",)),
-          ("native int4 g32 + int8 head", ("w4g32-sym", "w8ch-sym@ignore=")), ("native bf16", ())]
+# the third is llama.cpp's Q4_1 layout: a 4-bit body beside an 8-bit head (its Q8_0 token embedding is the LM head)
+NATIVE = [("native int4 g32", "w4g32-sym"), ("native int8 W8A16", "W8A16"),
+          ("native int4 g32 + int8 head", "w4g32-sym@head=w8ch-sym"), ("native bf16", None)]
 TARGET_INT4 = 0.8  # native int4 g32 over llama.cpp Q4_1
 Generate = Callable[[list[int], int], tuple[list[int], float]]  # prompt ids, new tokens -> tokens, decode seconds
 
@@ -122,14 +121,14 @@ def decode_part(stack: ExitStack, args, lm_fp32_path: Path, q4: Path, q8: Path, 
     bandwidth = measure_bandwidth()
     engines = [Engine(f"llama.cpp {name}", f"GGUF {name}", llama_generate(open_llama(stack, path, threads, n_batch)),
                       gguf_bytes(path), "llama.cpp graph") for name, path in (("Q4_1", q4), ("Q8_0", q8))]
-    for label, schemes in NATIVE:
+    for label, scheme in NATIVE:
         lm = load_model(args.model, "bf16")
-        for scheme in schemes:  # a later scheme quantizes only what the earlier ones left dense
+        if scheme:
             quantize_model(lm, scheme, progress=False)
         ids = encode_prompt(lm.tokenizer, DEFAULT_PROMPT)
         decoder = Decoder(lm, len(ids) + args.new_tokens + 8, compile_mode=args.compile)
         decoder.generate(ids, 8, ignore_eos=True)  # warm-up (compiles the step), excluded
-        engines.append(Engine(label, " then ".join(schemes) or "bf16", native_generate(decoder),
+        engines.append(Engine(label, scheme or "bf16", native_generate(decoder),
                               decode_bytes_per_token(lm.model), decoder.step_label, decoder.compile_s))
     for e in engines[:2]:
         e.generate(ids, 8)  # warm-up, excluded

@@ -18,6 +18,7 @@ recreates its online R4 from it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import shutil
 import tempfile
 from pathlib import Path
@@ -51,10 +52,21 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head") else HF_PREFIX + name
 
 
-def ct_scheme(scheme: QuantScheme) -> QuantizationScheme:
-    """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear."""
+def ct_scheme(scheme: QuantScheme, targets: tuple[str, ...] = ("Linear",)) -> QuantizationScheme:
+    """Our scheme as a compressed-tensors ``QuantizationScheme`` targeting every Linear (or ``targets``), with the
+    format compressed-tensors infers for it."""
     acts = ct_args(scheme.activations) if scheme.activations is not None else None
-    return QuantizationScheme(targets=["Linear"], weights=ct_args(scheme.weights), input_activations=acts)
+    qscheme = QuantizationScheme(targets=list(targets), weights=ct_args(scheme.weights), input_activations=acts)
+    qscheme.format = infer_module_format(nn.Linear, qscheme).value
+    return qscheme
+
+
+def ct_groups(scheme: QuantScheme) -> dict[str, QuantizationScheme]:
+    """The config groups of a checkpoint: the body's targeting Linear, and the LM head's own (``@head=``)."""
+    groups = {"group_0": ct_scheme(scheme)}
+    if scheme.head:
+        groups["group_1"] = ct_scheme(scheme.head_scheme, targets=("lm_head",))
+    return groups
 
 
 def _number_type(args: QuantizationArgs) -> str | None:
@@ -120,10 +132,9 @@ def save_compressed(lm, report_or_scheme, out_dir: str | Path, overwrite: bool =
     qlayers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not qlayers:
         raise UserError("the model has no quantized layers; quantize it first (quant.quantize.quantize_model)")
-    qscheme = ct_scheme(scheme)
-    fmt = infer_module_format(nn.Linear, qscheme)
-    qscheme.format = fmt.value
-    compressor = BaseCompressor.get_value_from_registry(fmt.value)
+    groups = ct_groups(scheme)
+    formats = {g.format for g in groups.values()}
+    fmt = formats.pop() if len(formats) == 1 else "mixed-precision"  # each group names its own
 
     tied = model.args.tie_word_embeddings
     state = {}
@@ -133,10 +144,12 @@ def save_compressed(lm, report_or_scheme, out_dir: str | Path, overwrite: bool =
             continue
         state[hf_name(name)] = tensor
     for name, layer in qlayers.items():
+        qscheme = groups["group_1" if scheme.head and name == "lm_head" else "group_0"]
+        compressor = BaseCompressor.get_value_from_registry(qscheme.format)
         for key, tensor in _compressed_layer(layer, qscheme, compressor).items():
             state[f"{hf_name(name)}.{key}"] = tensor
     dense_linears = [hf_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=dense_linears, format=fmt.value,
+    qconfig = QuantizationConfig(config_groups=groups, ignore=dense_linears, format=fmt,
                                  quantization_status="compressed")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,17 +214,24 @@ def _layer_codes(state: dict, name: str, spec: WeightSpec, fmt: str):
 def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention: str = "sdpa") -> Transformer:
     """Build the native Transformer from a compressed-tensors checkpoint, quantized layers on real kernels."""
     qconfig = QuantizationConfig.model_validate(config["quantization_config"])
-    groups = [g for g in qconfig.config_groups.values() if isinstance(g, QuantizationScheme)]
-    if len(groups) != 1 or groups[0].targets != ["Linear"]:
-        raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear; "
-                        f"this one has {list(qconfig.config_groups)}")
-    scheme = scheme_from_ct(groups[0], qconfig.ignore or [])
-    if qconfig.format not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized",
-                              "mxfp8-quantized", *FP4_PACKED):
-        raise UserError(f"{path}: compressed-tensors format {qconfig.format!r} is not supported natively")
+    groups = {tuple(g.targets): g for g in qconfig.config_groups.values() if isinstance(g, QuantizationScheme)}
+    if ("Linear",) not in groups or set(groups) - {("Linear",), ("lm_head",)}:
+        raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear (and one "
+                        f"targeting lm_head); this one has {list(qconfig.config_groups)}")
+    scheme = scheme_from_ct(groups[("Linear",)], qconfig.ignore or [])
+    if ("lm_head",) in groups:
+        head_weights = scheme_from_ct(groups[("lm_head",)], []).weights
+        scheme = replace(scheme, ignore=(*scheme.ignore, "lm_head"), head=head_weights)
+    formats = {targets: g.format or qconfig.format for targets, g in groups.items()}
+    for fmt in formats.values():
+        if fmt not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mxfp8-quantized",
+                       *FP4_PACKED):
+            raise UserError(f"{path}: compressed-tensors format {fmt!r} is not supported natively")
     state = load_state_dict(Path(path))
     qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]
-    layers = {name: _layer_codes(state, name, scheme.weights, qconfig.format) for name in qnames}
+    head = {"lm_head"} if scheme.head else set()
+    layers = {name: _layer_codes(state, name, scheme.head if name in head else scheme.weights,
+                                 formats[("lm_head",) if name in head else ("Linear",)]) for name in qnames}
     biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
     input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
     global_inputs = {name: state.pop(f"{name}.input_global_scale") for name in qnames
@@ -220,8 +240,9 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
     # dense parts first: the quantized layers' scales keep the dtype they were saved in
     model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path), attention=attention)
     for name, (q, scale, zero, gscale) in layers.items():
-        model.set_submodule(name, QuantizedLinear(q, scale, zero, scheme.weights, q.shape[1], biases[name],
-                                                   scheme.activations, dtype, global_scale=gscale))
+        spec, acts = (scheme.head, None) if name in head else (scheme.weights, scheme.activations)
+        model.set_submodule(name, QuantizedLinear(q, scale, zero, spec, q.shape[1], biases[name], acts, dtype,
+                                                   global_scale=gscale))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
     for name, scale in global_inputs.items():  # NVFP4 activations

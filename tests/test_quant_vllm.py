@@ -29,7 +29,8 @@ def test_support_table():
             else:
                 assert runs in vllm_support(label)
     for label, needle in (("W8A16", "no weight-only int8"), ("w3g32-sym", "cannot run"),
-                          ("w4g32-sym+pad", "padded"), ("W4A8", "cannot run"), ("w8ch-asym_a8tok-dyn", "cannot run")):
+                          ("w4g32-sym+pad", "padded"), ("W4A8", "cannot run"), ("w8ch-asym_a8tok-dyn", "cannot run"),
+                          ("w8ch-sym_a8tok-dyn@head=w8ch-sym", "@head=.*--backend native")):
         with pytest.raises(UserError, match=needle):
             vllm_support(label)
 

@@ -61,6 +61,25 @@ def test_ignore_patterns_and_tied_head(tmp_path):
     assert isinstance(lm.model.lm_head, QuantizedLinear) and not lm.model.args.tie_word_embeddings
 
 
+def test_a_head_scheme_quantizes_the_head_on_its_own_spec(tmp_path):
+    """``@head=``: the body on its scheme, then the LM head alone on the head's (a tied one as its own copy, the
+    embedding left dense), what else the body ignores kept dense; one report covers both. Negative control: the
+    same body scheme without ``@head=`` leaves the head dense and tied."""
+    tied = make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    lm = load_model(str(tied))
+    embedding = lm.model.embed_tokens.weight.detach().clone()
+    report = quantize_model(lm, "w4g32-asym@ignore=lm_head,down_proj@head=w8ch-sym", progress=False)
+    head, body = lm.model.lm_head, lm.model.layers[0].mlp.up_proj
+    assert isinstance(head, QuantizedLinear) and head.spec.bits == 8 and head.spec.granularity == "channel"
+    assert body.spec.bits == 4 and not body.spec.symmetric
+    assert set(report.dense) == {"layers.0.mlp.down_proj", "layers.1.mlp.down_proj"} and len(report.layers) == 13
+    assert report.layers[-1].name == "lm_head" and report.scheme.label.endswith("@head=w8ch-sym")
+    assert torch.equal(lm.model.embed_tokens.weight, embedding) and not lm.model.args.tie_word_embeddings
+    lm = load_model(str(tied))
+    report = quantize_model(lm, "w4g32-asym@ignore=lm_head,down_proj", progress=False)
+    assert "lm_head" in report.dense and lm.model.lm_head.weight is lm.model.embed_tokens.weight
+
+
 def test_padding_runs_for_real(tmp_path):
     path = make_tiny_llama(tmp_path / "w48", hidden_size=48, intermediate_size=96, num_attention_heads=4,
                            num_key_value_heads=2)

@@ -11,7 +11,8 @@ from quant.qmath import compute_qparams, dequantize, fake_quantize, group_view, 
 from quant.scheme import PRESETS, QuantScheme, WeightSpec, check_group_fits, is_ignored, padded_width, parse_scheme
 
 LABELS = ["w4g32-asym", "w4g64-sym", "w8ch-sym", "w8t-asym", "w3g32-sym", "w2g16-asym", "w8ch-sym_a8tok-dyn",
-          "w8ch-sym_a8t-static", "w4g128-sym+pad", "w3g32-sym@ignore=lm_head", "w4g32-asym@ignore=lm_head,down_proj+pad"]
+          "w8ch-sym_a8t-static", "w4g128-sym+pad", "w3g32-sym@ignore=lm_head",
+          "w4g32-asym@ignore=lm_head,down_proj+pad", "w4g32-sym@head=w8ch-sym", "w4g32-asym@ignore=lm_head,down_proj+pad@head=w4g32-asym"]
 
 
 @pytest.mark.parametrize("text", LABELS + [p.lower() for p in PRESETS] + ["none"])
@@ -27,7 +28,11 @@ def test_labels_are_unique():
 
 
 @pytest.mark.parametrize("text,needle", [("w5g32-sym", "unsupported weight bits"), ("int3", "unknown scheme"),
-                                         ("w4g0-sym", "positive group size"), ("w4g32", "unknown scheme")])
+                                         ("w4g0-sym", "positive group size"), ("w4g32", "unknown scheme"),
+                                         ("w4g32-sym@ignore=@head=w8ch-sym", "already quantizes lm_head"),
+                                         ("w4g32-sym@head=w8ch-sym_a8tok-dyn", "weight-only label"),
+                                         ("w4g32-sym@head=", "weight-only label"),
+                                         ("none@head=w8ch-sym", "follows a weight scheme")])
 def test_bad_schemes(text, needle):
     with pytest.raises(UserError, match=needle):
         parse_scheme(text)
@@ -120,3 +125,15 @@ def test_qmath_group_error_is_user_error():
 
 def test_none_scheme():
     assert parse_scheme("none") == QuantScheme(None) and parse_scheme("none").label == "none"
+
+
+def test_a_head_scheme_quantizes_the_head_alone_after_the_body():
+    """``@head=``: the head's own pass keeps what else the body ignores dense, and quantizes lm_head; without it
+    there is none (the default keeps the head dense)."""
+    scheme = parse_scheme("W4A16@ignore=lm_head,embed_tokens,down_proj@head=w8ch-sym")
+    assert scheme.weights == PRESETS["W4A16"].weights and scheme.head == WeightSpec(8, True, "channel")
+    head = scheme.head_scheme
+    assert head.weights == scheme.head and head.activations is None and head.head is None
+    assert not is_ignored(head, "lm_head") and is_ignored(head, "model.layers.0.mlp.down_proj")
+    assert is_ignored(scheme, "lm_head")
+    assert parse_scheme("w4g32-sym").head_scheme is None

@@ -17,7 +17,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 
 SCHEME_HELP = (f"Preset ({', '.join(SCHEME_PRESETS)}) or label (w4g32-asym, wfp8ch-sym_afp8tok-dyn, wnvfp4g16-sym); "
-               "@ignore=a,b keeps those layers dense instead of lm_head (w8ch-sym@ignore= quantizes the LM head too).")
+               "@ignore=a,b keeps those layers dense instead of lm_head (w8ch-sym@ignore= quantizes the LM head too); "
+               "@head=LABEL gives the LM head its own weight-only scheme (w4g32-sym@head=w8ch-sym: llama.cpp Q4_1's "
+               "layout).")
 ROTATE_HELP = (f"Rotate before quantizing: none or {', '.join(ROTATIONS)} (QuaRot-style: R1, R2 fused into the "
                "weights, R4 online before down_proj; with rtn, gptq, mse; native only).")
 
