@@ -12,7 +12,8 @@ from quant.scheme import PRESETS, QuantScheme, WeightSpec, check_group_fits, is_
 
 LABELS = ["w4g32-asym", "w4g64-sym", "w8ch-sym", "w8t-asym", "w3g32-sym", "w2g16-asym", "w8ch-sym_a8tok-dyn",
           "w8ch-sym_a8t-static", "w4g128-sym+pad", "w3g32-sym@ignore=lm_head",
-          "w4g32-asym@ignore=lm_head,down_proj+pad", "w4g32-sym@head=w8ch-sym", "w4g32-asym@ignore=lm_head,down_proj+pad@head=w4g32-asym"]
+          "w4g32-asym@ignore=lm_head,down_proj+pad", "w4g32-sym@head=w8ch-sym",
+          "w4g32-asym@ignore=lm_head,down_proj+pad@head=w4g32-asym"]
 
 
 @pytest.mark.parametrize("text", LABELS + [p.lower() for p in PRESETS] + ["none"])
