@@ -1,9 +1,10 @@
 """llama.cpp beside the native path, one CPU, one run. Decode: the default model's own GGUF (Q4_1 as shipped, and
 Q8_0 re-quantized by the gguf package) through llama-cpp-python against native int4 g32 (bf16 head, and int8 head as
-llama.cpp's Q4_1 file has a Q8_0 one), int8 and bf16 on compiled steps, one greedy generation each per round in a shuffled order (paired ratios to llama.cpp Q4_1 with CIs), tokens
-compared with native fp32 on the same dequantized weights. Speculation: llama.cpp's prompt-lookup decoding beside
-quantspec's n-gram proposer at the same K on Spec-Bench prompts, each as a speedup over its own plain decoding, with
-greedy token identity, and quantspec's verification cost V(K) on the eager and the compiled step.
+llama.cpp's Q4_1 file has a Q8_0 one), int8 and bf16 on compiled steps, one greedy generation each per round in a
+shuffled order (paired ratios to llama.cpp Q4_1 with CIs), tokens compared with native fp32 on the same dequantized
+weights. Speculation: llama.cpp's prompt-lookup decoding beside quantspec's n-gram proposer at the same K on
+Spec-Bench prompts, each as a speedup over its own plain decoding, with greedy token identity, and quantspec's
+verification cost V(K) on the eager and the compiled step.
 
 Usage: make llamacpp   (once: pip builds llama-cpp-python from source with the host's flags, about 5 min on 2 cores)
        flock /tmp/qs-bench.lock .venv/bin/python bench/llamacpp.py [--new-tokens 128] [--rounds 5] [--k 2,4]

@@ -18,9 +18,9 @@ recreates its online R4 from it.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -61,12 +61,18 @@ def ct_scheme(scheme: QuantScheme, targets: tuple[str, ...] = ("Linear",)) -> Qu
     return qscheme
 
 
-def ct_groups(scheme: QuantScheme) -> dict[str, QuantizationScheme]:
-    """The config groups of a checkpoint: the body's targeting Linear, and the LM head's own (``@head=``)."""
-    groups = {"group_0": ct_scheme(scheme)}
-    if scheme.head:
-        groups["group_1"] = ct_scheme(scheme.head_scheme, targets=("lm_head",))
-    return groups
+BODY, HEAD = ("Linear",), ("lm_head",)  # the targets of a checkpoint's config groups
+
+
+def layer_group(scheme: QuantScheme, name: str) -> tuple[QuantScheme, tuple[str, ...]]:
+    """The scheme layer ``name`` is quantized with and the targets of its config group: the head's own for
+    ``lm_head`` under ``@head=``, else the body's."""
+    return (scheme.head_scheme, HEAD) if scheme.head and name == "lm_head" else (scheme, BODY)
+
+
+def ct_groups(scheme: QuantScheme) -> dict[tuple[str, ...], QuantizationScheme]:
+    """The config groups of a checkpoint by their targets: the body's, and the LM head's own (``@head=``)."""
+    return {BODY: ct_scheme(scheme), **({HEAD: ct_scheme(scheme.head_scheme, HEAD)} if scheme.head else {})}
 
 
 def _number_type(args: QuantizationArgs) -> str | None:
@@ -144,12 +150,13 @@ def save_compressed(lm, report_or_scheme, out_dir: str | Path, overwrite: bool =
             continue
         state[hf_name(name)] = tensor
     for name, layer in qlayers.items():
-        qscheme = groups["group_1" if scheme.head and name == "lm_head" else "group_0"]
+        qscheme = groups[layer_group(scheme, name)[1]]
         compressor = BaseCompressor.get_value_from_registry(qscheme.format)
         for key, tensor in _compressed_layer(layer, qscheme, compressor).items():
             state[f"{hf_name(name)}.{key}"] = tensor
     dense_linears = [hf_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    qconfig = QuantizationConfig(config_groups=groups, ignore=dense_linears, format=fmt,
+    qconfig = QuantizationConfig(config_groups={f"group_{i}": g for i, g in enumerate(groups.values())},
+                                 ignore=dense_linears, format=fmt,
                                  quantization_status="compressed")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,12 +222,12 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
     """Build the native Transformer from a compressed-tensors checkpoint, quantized layers on real kernels."""
     qconfig = QuantizationConfig.model_validate(config["quantization_config"])
     groups = {tuple(g.targets): g for g in qconfig.config_groups.values() if isinstance(g, QuantizationScheme)}
-    if ("Linear",) not in groups or set(groups) - {("Linear",), ("lm_head",)}:
+    if BODY not in groups or set(groups) - {BODY, HEAD}:
         raise UserError(f"{path}: quantspec loads checkpoints with one config group targeting Linear (and one "
                         f"targeting lm_head); this one has {list(qconfig.config_groups)}")
-    scheme = scheme_from_ct(groups[("Linear",)], qconfig.ignore or [])
-    if ("lm_head",) in groups:
-        head_weights = scheme_from_ct(groups[("lm_head",)], []).weights
+    scheme = scheme_from_ct(groups[BODY], qconfig.ignore or [])
+    if HEAD in groups:
+        head_weights = scheme_from_ct(groups[HEAD], []).weights
         scheme = replace(scheme, ignore=(*scheme.ignore, "lm_head"), head=head_weights)
     formats = {targets: g.format or qconfig.format for targets, g in groups.items()}
     for fmt in formats.values():
@@ -229,9 +236,8 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
             raise UserError(f"{path}: compressed-tensors format {fmt!r} is not supported natively")
     state = load_state_dict(Path(path))
     qnames = [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]
-    head = {"lm_head"} if scheme.head else set()
-    layers = {name: _layer_codes(state, name, scheme.head if name in head else scheme.weights,
-                                 formats[("lm_head",) if name in head else ("Linear",)]) for name in qnames}
+    saved = {name: layer_group(scheme, name) for name in qnames}  # (its scheme, its group's targets)
+    layers = {name: _layer_codes(state, name, saved[name][0].weights, formats[saved[name][1]]) for name in qnames}
     biases = {name: state.pop(f"{name}.bias", None) for name in qnames}
     input_scales = {name: state.pop(f"{name}.input_scale") for name in qnames if f"{name}.input_scale" in state}
     global_inputs = {name: state.pop(f"{name}.input_global_scale") for name in qnames
@@ -240,9 +246,9 @@ def load_quantized(path: str | Path, config: dict, dtype: torch.dtype, attention
     # dense parts first: the quantized layers' scales keep the dtype they were saved in
     model = build_model(config, state, dtype, placeholders=tuple(qnames), source=str(path), attention=attention)
     for name, (q, scale, zero, gscale) in layers.items():
-        spec, acts = (scheme.head, None) if name in head else (scheme.weights, scheme.activations)
-        model.set_submodule(name, QuantizedLinear(q, scale, zero, spec, q.shape[1], biases[name], acts, dtype,
-                                                   global_scale=gscale))
+        own = saved[name][0]
+        model.set_submodule(name, QuantizedLinear(q, scale, zero, own.weights, q.shape[1], biases[name],
+                                                   own.activations, dtype, global_scale=gscale))
     if input_scales:  # static W8A8: per-tensor activation scales (quant/w8a8.py)
         set_static_input_scales(model, scheme.activations, input_scales)
     for name, scale in global_inputs.items():  # NVFP4 activations
